@@ -1,0 +1,42 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Both create .venv (with the package, JAX and the test tools) when missing.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LINT_PATHS := kdpemb tests examples benchmarks
+PYTEST_ARGS ?= -n 2
+
+.PHONY: demo test lint test-tensorflow test-jax bench docs clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[jax,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/privacy_calculator.py
+
+test: lint test-tensorflow test-jax
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+test-tensorflow: $(STAMP)
+	KERAS_BACKEND=tensorflow $(PY) -m pytest $(PYTEST_ARGS)
+
+test-jax: $(STAMP)
+	KERAS_BACKEND=jax $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks all
+
+docs: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	$(VENV)/bin/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""kdpemb: differentially private image embeddings and classifiers for Keras 3.
+
+`import kdpemb` is cheap: submodules load on first use, and only
+`kdpemb.callbacks` (and later the models) import Keras.
+
+Example:
+
+>>> import kdpemb
+>>> mechanism = kdpemb.privacy.dp_sgd(
+...     noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+>>> round(kdpemb.privacy.epsilon(mechanism, steps=14_063, delta=1e-5), 2)
+2.38
+"""
+
+import importlib
+
+from kdpemb._backend import check_supported_backend
+from kdpemb.version import __version__
+
+check_supported_backend()
+
+_SUBMODULES = ("callbacks", "cli", "privacy", "testing")
+
+__all__ = ["__version__", *_SUBMODULES]
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kdpemb.{name}")
+    raise AttributeError(f"module 'kdpemb' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,7 @@
+"""`python -m kdpemb` runs the command-line interface."""
+
+import sys
+
+from kdpemb.cli import main
+
+sys.exit(main())

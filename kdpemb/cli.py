@@ -1,0 +1,231 @@
+"""kdpemb's command line: `kdpemb privacy epsilon` and `kdpemb privacy calibrate`.
+
+Examples:
+
+    kdpemb privacy epsilon --num-examples 60000 --batch-size 256 \\
+        --epochs 60 --noise-multiplier 1.1 --delta 1e-5
+    kdpemb privacy calibrate --num-users 100000 --clients-per-round 100 \\
+        --users-per-client 4 --steps 2000 --target-epsilon 4 --delta 1e-6 --json
+
+It does not import Keras, so it answers in about two seconds.
+"""
+
+import argparse
+import json
+import sys
+
+from kdpemb.privacy import mechanisms
+from kdpemb.privacy.accountant import METHODS, Accountant, UnsupportedMechanismError
+from kdpemb.privacy.calibration import CalibrationError, calibrate_noise_multiplier
+from kdpemb.privacy.statement import PrivacyStatement
+from kdpemb.version import __version__
+
+_SAMPLINGS = {"poisson": "poisson", "full-batch": "full_batch", "fixed": "fixed"}
+
+
+def _add_schedule_arguments(parser):
+    population = parser.add_argument_group("population (one of)")
+    who = population.add_mutually_exclusive_group(required=True)
+    who.add_argument(
+        "--num-examples",
+        type=int,
+        metavar="N",
+        help="example-level DP: number of training examples",
+    )
+    who.add_argument(
+        "--num-users",
+        type=int,
+        metavar="N",
+        help="user-level DP (DP-FedEmb): number of users",
+    )
+    step = parser.add_argument_group("one step")
+    step.add_argument(
+        "--batch-size",
+        type=float,
+        metavar="B",
+        help="expected examples per step (with --num-examples)",
+    )
+    step.add_argument(
+        "--clients-per-round",
+        type=float,
+        metavar="M",
+        help="expected virtual clients per round (with --num-users)",
+    )
+    step.add_argument(
+        "--users-per-client",
+        type=int,
+        default=1,
+        metavar="K",
+        help="users per virtual client (default 1)",
+    )
+    step.add_argument(
+        "--sampling",
+        choices=sorted(_SAMPLINGS),
+        default="poisson",
+        help="how each step's sample is drawn (default poisson)",
+    )
+    step.add_argument(
+        "--clip-norm", type=float, metavar="C", help="clip norm, shown in the statement"
+    )
+    length = parser.add_argument_group("length (one of)")
+    how_long = length.add_mutually_exclusive_group(required=True)
+    how_long.add_argument(
+        "--epochs",
+        type=float,
+        help="passes over the data (each unit once, in expectation)",
+    )
+    how_long.add_argument("--steps", type=int, help="private steps (rounds)")
+    parser.add_argument(
+        "--delta", type=float, required=True, help="δ; must be below 1/population"
+    )
+    parser.add_argument(
+        "--accountant",
+        choices=METHODS,
+        default="pld",
+        help="pld (tight, default) or rdp (fast)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="kdpemb", description="kdpemb: differentially private embeddings."
+    )
+    parser.add_argument("--version", action="version", version=f"kdpemb {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    privacy = commands.add_parser("privacy", help="privacy accounting")
+    actions = privacy.add_subparsers(dest="action", required=True)
+
+    epsilon = actions.add_parser(
+        "epsilon",
+        help="ε of a training schedule",
+        description="Compute ε (at --delta) of a DP training schedule.",
+    )
+    _add_schedule_arguments(epsilon)
+    epsilon.add_argument(
+        "--noise-multiplier",
+        type=float,
+        required=True,
+        metavar="Z",
+        help="noise std / clip norm",
+    )
+
+    calibrate = actions.add_parser(
+        "calibrate",
+        help="smallest noise multiplier for a target ε",
+        description="Find the smallest noise multiplier that meets --target-epsilon.",
+    )
+    _add_schedule_arguments(calibrate)
+    calibrate.add_argument(
+        "--target-epsilon",
+        type=float,
+        required=True,
+        metavar="EPS",
+        help="the ε to meet",
+    )
+    return parser
+
+
+def mechanism_from_args(args, noise_multiplier):
+    """The mechanism and step count that the schedule flags describe."""
+    sampling = _SAMPLINGS[args.sampling]
+    if args.num_examples is not None:
+        if args.clients_per_round is not None:
+            raise ValueError(
+                "--clients-per-round is for user-level DP; with --num-examples "
+                "give --batch-size."
+            )
+        if args.users_per_client != 1:
+            raise ValueError("--users-per-client needs --num-users.")
+        if sampling == "full_batch":
+            if args.batch_size is not None:
+                raise ValueError("--batch-size does not apply to full-batch steps.")
+            mechanism = mechanisms.full_batch(
+                noise_multiplier, args.num_examples, clip_norm=args.clip_norm
+            )
+        else:
+            if args.batch_size is None:
+                raise ValueError("--num-examples needs --batch-size.")
+            mechanism = mechanisms.dp_sgd(
+                noise_multiplier,
+                args.batch_size,
+                args.num_examples,
+                sampling=sampling,
+                clip_norm=args.clip_norm,
+            )
+    else:
+        if args.batch_size is not None:
+            raise ValueError(
+                "--batch-size is for example-level DP; with --num-users give "
+                "--clients-per-round (virtual clients per round)."
+            )
+        clients = args.clients_per_round
+        if clients is None and sampling != "full_batch":
+            raise ValueError("--num-users needs --clients-per-round.")
+        mechanism = mechanisms.virtual_clients(
+            noise_multiplier,
+            clients,
+            args.num_users,
+            users_per_client=args.users_per_client,
+            sampling=sampling,
+            clip_norm=args.clip_norm,
+        )
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {args.steps}.")
+        steps = args.steps
+    else:
+        steps = mechanism.steps_for_epochs(args.epochs)
+    return mechanism, steps
+
+
+def _run(args):
+    if args.action == "epsilon":
+        mechanism, steps = mechanism_from_args(args, args.noise_multiplier)
+        Accountant(mechanism, args.accountant)  # Clear error if unsupported.
+        return PrivacyStatement.compute(
+            mechanism, steps, args.delta, args.accountant
+        ), {}
+    template, steps = mechanism_from_args(args, 1.0)
+    noise = calibrate_noise_multiplier(
+        template, args.target_epsilon, args.delta, steps, accountant=args.accountant
+    )
+    statement = PrivacyStatement.compute(
+        template.with_noise_multiplier(noise), steps, args.delta, args.accountant
+    )
+    return statement, {"target_epsilon": args.target_epsilon}
+
+
+def main(argv=None):
+    """Runs the CLI; returns the exit status (2 for bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        statement, extra = _run(args)
+    except (
+        ValueError,
+        TypeError,
+        UnsupportedMechanismError,
+        CalibrationError,
+    ) as error:
+        parser.exit(2, f"kdpemb: error: {error}\n")
+    if args.json:
+        print(json.dumps({**statement.to_dict(), **extra}, indent=2, allow_nan=False))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    if extra:
+        console.print(
+            f"Smallest noise multiplier with ε <= {extra['target_epsilon']:g}: "
+            f"[bold]{statement.noise_multiplier:.4f}[/bold]"
+        )
+    console.print(statement)
+    console.print(statement.summary(), highlight=False)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Privacy accounting for kdpemb's training schemes, on dp-accounting.
+
+Describe a schedule with a builder (`dp_sgd`, `full_batch`,
+`virtual_clients`, `gaussian_releases`, `zcdp`, `tree_aggregation`), then
+compute ε with `epsilon` or an `Accountant`, find the noise for a target
+with `calibrate_noise_multiplier`, and state the result with
+`PrivacyStatement`. This package does not import Keras.
+
+Example:
+
+>>> from kdpemb import privacy
+>>> m = privacy.virtual_clients(noise_multiplier=1.0, clients_per_round=100,
+...                             num_users=100_000, users_per_client=1)
+>>> round(privacy.epsilon(m, steps=2_000, delta=1e-6), 2)
+0.25
+"""
+
+from kdpemb.privacy.accountant import (
+    METHODS,
+    Accountant,
+    UnsupportedMechanismError,
+    delta,
+    epsilon,
+)
+from kdpemb.privacy.calibration import CalibrationError, calibrate_noise_multiplier
+from kdpemb.privacy.mechanisms import (
+    ZCDP,
+    GaussianRelease,
+    GaussianReleases,
+    Mechanism,
+    SampledGaussian,
+    TreeAggregation,
+    dp_sgd,
+    full_batch,
+    gaussian_releases,
+    num_virtual_clients,
+    tree_aggregation,
+    virtual_clients,
+    zcdp,
+)
+from kdpemb.privacy.protocol import (
+    PrivateModel,
+    check_private_model,
+    privacy_statement,
+    read_private_steps,
+)
+from kdpemb.privacy.statement import PrivacyStatement
+from kdpemb.privacy.validation import check_delta
+
+__all__ = [
+    "METHODS",
+    "ZCDP",
+    "Accountant",
+    "CalibrationError",
+    "GaussianRelease",
+    "GaussianReleases",
+    "Mechanism",
+    "PrivacyStatement",
+    "PrivateModel",
+    "SampledGaussian",
+    "TreeAggregation",
+    "UnsupportedMechanismError",
+    "calibrate_noise_multiplier",
+    "check_delta",
+    "check_private_model",
+    "delta",
+    "dp_sgd",
+    "epsilon",
+    "full_batch",
+    "gaussian_releases",
+    "num_virtual_clients",
+    "privacy_statement",
+    "read_private_steps",
+    "tree_aggregation",
+    "virtual_clients",
+    "zcdp",
+]

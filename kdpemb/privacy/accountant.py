@@ -1,0 +1,398 @@
+"""ε and δ of a mechanism run for some steps, computed with dp-accounting.
+
+Two methods:
+- "pld" (default): privacy loss distributions (Koskela et al.; Doroshenko
+  et al.), tight up to a discretisation that is rounded pessimistically,
+  so the ε reported is an upper bound.
+- "rdp": Rényi DP (Mironov), fast and looser.
+
+The accountant caches what does not change between calls: the privacy
+loss distribution (or RDP curve) of one step is built once, and ε for a
+larger step count composes only the new steps onto the last result. This
+is what keeps a per-epoch ε cheap in `kdpemb.callbacks.PrivacyBudget`.
+"""
+
+import collections
+import math
+
+import dp_accounting as dpa
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from kdpemb.privacy import validation
+from kdpemb.privacy.mechanisms import Mechanism, Relation
+
+METHODS = ("pld", "rdp")
+MAX_SEARCH_STEPS = 2**31  # No training run takes two billion private steps.
+
+
+class UnsupportedMechanismError(ValueError):
+    """The chosen accountant cannot express this mechanism and relation."""
+
+
+def _unsupported_message(mechanism, method, detail):
+    relation = mechanism.relation_name
+    other = "rdp" if method == "pld" else "pld"
+    if method == "rdp" and mechanism.neighboring_relation == Relation.REPLACE_ONE:
+        reason = (
+            "dp-accounting's RDP accountant has no model of Poisson sampling "
+            "under the replace-one relation"
+        )
+        if getattr(mechanism, "users_per_client", 1) > 1:
+            reason += (
+                f", which virtual clients of {mechanism.users_per_client} "
+                "users need (removing one user replaces one clipped update, so "
+                "the sum moves by up to 2C). Reporting the add/remove ε instead "
+                "would under-state the privacy loss"
+            )
+    elif method == "pld":
+        reason = (
+            f"dp-accounting's PLD accountant has no model of "
+            f"{type(mechanism).__name__} (sampling: {mechanism.sampling}, "
+            f"relation: {relation})"
+        )
+    else:
+        reason = f"dp-accounting's RDP accountant cannot express {relation}"
+    return (
+        f"The {method.upper()} accountant cannot account for this mechanism: "
+        f"{reason}. Use accountant={other!r}. (dp-accounting said: {detail})"
+    )
+
+
+def _check_method(method):
+    if method not in METHODS:
+        raise ValueError(f"accountant must be one of {METHODS}, got {method!r}.")
+    return method
+
+
+class Accountant:
+    """ε(δ) and δ(ε) of `mechanism` after a number of private steps.
+
+    Args:
+        mechanism: `kdpemb.privacy.Mechanism`. What each step releases.
+        method: str. "pld" (tight, default) or "rdp" (fast).
+        value_discretization_interval: float. PLD resolution; smaller is
+            tighter and slower. Defaults to 1e-4.
+        rdp_orders: sequence of float or None. RDP orders; defaults to
+            dp-accounting's.
+
+    Raises:
+        UnsupportedMechanismError: if the method cannot model the mechanism
+            under its neighbouring relation (e.g. RDP for virtual clients of
+            several users, PLD for fixed-size sampling).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256,
+    ...                    num_examples=60_000)
+    >>> accountant = privacy.Accountant(m, "pld")
+    >>> round(accountant.epsilon(delta=1e-5, steps=14_063), 2)
+    2.38
+    >>> accountant.delta(epsilon=2.38, steps=14_063) < 1.1e-5
+    True
+    """
+
+    def __init__(
+        self,
+        mechanism,
+        method="pld",
+        *,
+        value_discretization_interval=1e-4,
+        rdp_orders=None,
+    ):
+        if not isinstance(mechanism, Mechanism):
+            raise TypeError(
+                "mechanism must be a kdpemb.privacy.Mechanism (see "
+                f"kdpemb.privacy.dp_sgd and friends), got {type(mechanism)}."
+            )
+        self.mechanism = mechanism
+        self.method = _check_method(method)
+        validation.check_positive(
+            value_discretization_interval, "value_discretization_interval"
+        )
+        self._check_supported(rdp_orders, value_discretization_interval)
+        if method == "pld":
+            self._impl = _PldComposer(mechanism, value_discretization_interval)
+        else:
+            self._impl = _RdpComposer(mechanism, rdp_orders)
+        self._epsilons = {}
+
+    def _check_supported(self, rdp_orders, value_discretization_interval):
+        relation = self.mechanism.neighboring_relation
+        if self.method == "pld":
+            reference = dpa.pld.PLDAccountant(relation, value_discretization_interval)
+        else:
+            reference = dpa.rdp.RdpAccountant(rdp_orders, relation)
+        event = self.mechanism.event(1)
+        if reference.supports(event):  # Checks without building anything.
+            return
+        try:
+            reference.compose(event)  # Fails, with dp-accounting's reason.
+            detail = "unsupported event"
+        except dpa.UnsupportedEventError as error:
+            detail = str(error)
+        raise UnsupportedMechanismError(
+            _unsupported_message(self.mechanism, self.method, detail)
+        )
+
+    def epsilon(self, delta, steps):
+        """The ε of (ε, δ)-DP after `steps` private steps (an upper bound).
+
+        `steps` may be 0: the ε of the one-off releases alone (0 if none).
+        Results are memoised, so the same query always gets the same answer.
+        """
+        delta = validation.check_delta(
+            delta, self.mechanism.population, self.mechanism.unit
+        )
+        return self._epsilon(delta, validation.check_steps(steps, minimum=0))
+
+    def delta(self, epsilon, steps):
+        """The δ of (ε, δ)-DP after `steps` private steps (an upper bound)."""
+        epsilon = validation.check_finite_real(epsilon, "epsilon")
+        if epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
+        steps = validation.check_steps(steps, minimum=0)
+        return min(1.0, self._impl.delta(epsilon, steps))
+
+    def _epsilon(self, delta, steps):
+        key = (delta, steps)
+        if key not in self._epsilons:
+            self._epsilons[key] = self._impl.epsilon(delta, steps)
+        return self._epsilons[key]
+
+    def max_steps(self, target_epsilon, delta, *, limit=None):
+        """The largest step count whose ε is at most `target_epsilon`.
+
+        Args:
+            target_epsilon: float. The budget.
+            delta: float. The δ.
+            limit: int or None. Do not look beyond this many steps (the
+                planned length of training). None searches upward until ε
+                exceeds the target, up to `MAX_SEARCH_STEPS`.
+
+        Returns:
+            int: 0 when even one step (or the one-off releases alone) would
+            exceed the target; `limit` (or `MAX_SEARCH_STEPS`) when the whole
+            range stays within it.
+        """
+        target_epsilon = validation.check_target_epsilon(target_epsilon)
+        delta = validation.check_delta(
+            delta, self.mechanism.population, self.mechanism.unit
+        )
+
+        def within(steps):
+            return self._epsilon(delta, steps) <= target_epsilon
+
+        if not within(0):
+            return 0
+        if limit is None:
+            low, high = 0, 1
+            while within(high):
+                if high >= MAX_SEARCH_STEPS:
+                    return MAX_SEARCH_STEPS
+                low, high = high, min(2 * high, MAX_SEARCH_STEPS)
+        else:
+            limit = validation.check_steps(limit, "limit", minimum=0)
+            if within(limit):
+                return limit
+            low, high = 0, limit
+        while high - low > 1:  # Invariant: within(low) and not within(high).
+            middle = (low + high) // 2
+            if within(middle):
+                low = middle
+            else:
+                high = middle
+        return low
+
+
+class _RdpComposer:
+    """RDP curve of one step, built once; T steps are T times that curve."""
+
+    def __init__(self, mechanism, orders):
+        self._mechanism = mechanism
+        self._relation = mechanism.neighboring_relation
+        self._orders_arg = orders
+        fresh = self._fresh()
+        self.orders = fresh.orders
+        step = mechanism.step_event()
+        if step is None:
+            self._setup_rdp = self._step_rdp = None
+        else:
+            self._setup_rdp = self._fresh().compose(mechanism.setup_event()).rdp
+            self._step_rdp = self._fresh().compose(step).rdp
+
+    def _fresh(self):
+        return dpa.rdp.RdpAccountant(self._orders_arg, self._relation)
+
+    def _rdp(self, steps):
+        if self._step_rdp is None:
+            return self._fresh().compose(self._mechanism.event(steps)).rdp
+        if steps == 0:
+            return self._setup_rdp
+        return self._setup_rdp + steps * self._step_rdp
+
+    def epsilon(self, delta, steps):
+        rdp = self._rdp(steps)
+        if not rdp.any():
+            return 0.0
+        return float(rdp_lib.compute_epsilon(self.orders, rdp, delta)[0])
+
+    def delta(self, epsilon, steps):
+        rdp = self._rdp(steps)
+        if not rdp.any():
+            return 0.0
+        return float(rdp_lib.compute_delta(self.orders, rdp, epsilon)[0])
+
+
+class _PldTerms:
+    """An event flattened into what its privacy loss distribution needs.
+
+    Plain Gaussian releases compose exactly into one Gaussian (their
+    1/z² add up), which is tighter and faster than composing discretised
+    distributions; Poisson-sampled Gaussians are counted by (q, z).
+    """
+
+    def __init__(self):
+        self.gaussian_inverse_square = 0.0
+        self.sampled = collections.Counter()  # (q, z) -> count
+        self.non_private = False
+
+    @classmethod
+    def of(cls, event, count=1):
+        terms = cls()
+        terms._add(event, count)
+        return terms
+
+    def _add(self, event, count):
+        if isinstance(event, dpa.NoOpDpEvent) or count == 0:
+            return
+        if isinstance(event, dpa.NonPrivateDpEvent):
+            self.non_private = True
+        elif isinstance(event, dpa.SelfComposedDpEvent):
+            self._add(event.event, count * event.count)
+        elif isinstance(event, dpa.ComposedDpEvent):
+            for sub in event.events:
+                self._add(sub, count)
+        elif isinstance(event, dpa.GaussianDpEvent):
+            if event.noise_multiplier == 0:
+                self.non_private = True
+            else:
+                self.gaussian_inverse_square += count / event.noise_multiplier**2
+        elif isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(
+            event.event, dpa.GaussianDpEvent
+        ):
+            q, z = event.sampling_probability, event.event.noise_multiplier
+            if q == 1:
+                self._add(event.event, count)
+            elif q > 0 and z == 0:
+                self.non_private = True
+            elif q > 0:
+                self.sampled[(q, z)] += count
+        else:
+            raise UnsupportedMechanismError(f"PLD cannot model {event}.")
+
+
+class _PldComposer:
+    """Composes PLDs incrementally: ε at T steps reuses the result at T' < T."""
+
+    def __init__(self, mechanism, value_discretization_interval):
+        self._relation = mechanism.neighboring_relation
+        self._interval = value_discretization_interval
+        self._setup = _PldTerms.of(mechanism.setup_event())
+        self._step = _PldTerms.of(mechanism.step_event())
+        self._single_step = {}  # (q, z) -> PLD of one step
+        self._powers = {}  # (q, z, count) -> PLD of `count` steps
+        self._last_steps = None  # the sampled part composed for this many steps
+        self._last_sampled = None
+
+    def _gaussian(self, noise_multiplier, sampling_prob=1.0):
+        return pld_lib.from_gaussian_mechanism(
+            standard_deviation=noise_multiplier,
+            sampling_prob=sampling_prob,
+            value_discretization_interval=self._interval,
+            neighboring_relation=self._relation,
+        )
+
+    def _power(self, q, z, count):
+        key = (q, z, count)
+        if key not in self._powers:
+            if (q, z) not in self._single_step:
+                self._single_step[(q, z)] = self._gaussian(z, q)
+            if len(self._powers) > 8:  # Epoch-sized powers repeat; keep a few.
+                self._powers.pop(next(iter(self._powers)))
+            self._powers[key] = self._single_step[(q, z)].self_compose(count)
+        return self._powers[key]
+
+    def _sampled_part(self, steps):
+        """PLD of the Poisson-sampled terms after `steps` steps (or None)."""
+        step_keys = list(self._step.sampled)
+        can_extend = (
+            self._last_sampled is not None
+            and steps >= self._last_steps
+            and len(step_keys) == 1
+        )
+        if can_extend and steps == self._last_steps:
+            return self._last_sampled
+        if can_extend:
+            ((q, z),) = step_keys
+            extra = (steps - self._last_steps) * self._step.sampled[(q, z)]
+            result = self._last_sampled.compose(self._power(q, z, extra))
+        else:
+            counts = collections.Counter(self._setup.sampled)
+            for key, count in self._step.sampled.items():
+                counts[key] += steps * count
+            result = None
+            for (q, z), count in counts.items():
+                if count:
+                    power = self._power(q, z, count)
+                    result = power if result is None else result.compose(power)
+        self._last_steps, self._last_sampled = steps, result
+        return result
+
+    def _pld(self, steps):
+        """The PLD after `steps` steps, or None if nothing was released."""
+        inverse_square = (
+            self._setup.gaussian_inverse_square
+            + steps * self._step.gaussian_inverse_square
+        )
+        sampled = self._sampled_part(steps)
+        if inverse_square == 0:
+            return sampled
+        gaussian = self._gaussian(inverse_square**-0.5)
+        return gaussian if sampled is None else gaussian.compose(sampled)
+
+    def _non_private(self, steps):
+        return self._setup.non_private or (steps > 0 and self._step.non_private)
+
+    def epsilon(self, delta, steps):
+        if self._non_private(steps):
+            return math.inf
+        pld = self._pld(steps)
+        return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))
+
+    def delta(self, epsilon, steps):
+        if self._non_private(steps):
+            return 1.0
+        pld = self._pld(steps)
+        return 0.0 if pld is None else float(pld.get_delta_for_epsilon(epsilon))
+
+
+def epsilon(mechanism, steps, delta, *, accountant="pld"):
+    """ε after `steps` steps of `mechanism` at `delta` (one-shot helper).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(1.1, batch_size=256, num_examples=60_000)
+    >>> round(privacy.epsilon(m, steps=14_063, delta=1e-5, accountant="rdp"), 2)
+    2.6
+    """
+    steps = validation.check_steps(steps)
+    return Accountant(mechanism, accountant).epsilon(delta, steps)
+
+
+def delta(mechanism, steps, epsilon, *, accountant="pld"):
+    """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper)."""
+    steps = validation.check_steps(steps)
+    return Accountant(mechanism, accountant).delta(epsilon, steps)

@@ -1,0 +1,716 @@
+"""Privacy mechanisms of kdpemb's training schemes, as dp-accounting events.
+
+A `Mechanism` describes what one private training step releases (and any
+one-off release before the first step), on which data, under which
+neighbouring relation and for which unit of privacy (an example or a user).
+`mechanism.event(steps)` builds the `dp_accounting.DpEvent` of a whole run.
+Like a `DpEvent`, a mechanism only *describes*; `Accountant` interprets.
+
+Use the builders: `dp_sgd`, `full_batch`, `virtual_clients`,
+`gaussian_releases`, `zcdp` and `tree_aggregation`. Every mechanism is a
+frozen dataclass, validated when created.
+"""
+
+import abc
+import dataclasses
+import fractions
+import math
+
+import dp_accounting as dpa
+
+from kdpemb.privacy import validation
+
+Relation = dpa.NeighboringRelation
+
+UNITS = ("example", "user")
+SAMPLINGS = ("poisson", "full_batch", "fixed")
+
+RELATION_NAMES = {
+    Relation.ADD_OR_REMOVE_ONE: "add_or_remove_one",
+    Relation.REPLACE_ONE: "replace_one",
+    Relation.REPLACE_SPECIAL: "replace_special",
+}
+
+
+def relation_from_name(name):
+    """Maps "add_or_remove_one" / "replace_one" / "replace_special" to a relation."""
+    for relation, relation_name in RELATION_NAMES.items():
+        if name in (relation_name, relation):
+            return relation
+    raise ValueError(
+        f"Unknown neighbouring relation {name!r}; expected one of "
+        f"{sorted(RELATION_NAMES.values())}."
+    )
+
+
+def num_virtual_clients(num_users, users_per_client):
+    """The number of virtual clients: `ceil(num_users / users_per_client)`.
+
+    Users are split into this many virtual clients of at most
+    `users_per_client` users each. The count must be fixed before training
+    (it is public, like the dataset size in DP-SGD): the sampling rate of a
+    virtual client is `clients_per_round / num_virtual_clients`.
+    """
+    num_users = validation.check_positive_int(num_users, "num_users")
+    users_per_client = validation.check_positive_int(
+        users_per_client, "users_per_client"
+    )
+    if users_per_client > num_users:
+        raise ValueError(
+            f"users_per_client={users_per_client} is larger than the number of "
+            f"users ({num_users}); use users_per_client <= {num_users}."
+        )
+    return math.ceil(num_users / users_per_client)
+
+
+def _check_unit(unit):
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
+    return unit
+
+
+def _compose(events):
+    """Composes events, dropping no-ops; returns a single event."""
+    events = [e for e in events if not isinstance(e, dpa.NoOpDpEvent)]
+    if not events:
+        return dpa.NoOpDpEvent()
+    return events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianRelease:
+    """One release of a statistic plus Gaussian noise N(0, noise_std² I).
+
+    Args:
+        noise_std: float. Standard deviation of the noise on each coordinate.
+        sensitivity: float. L2 sensitivity of the statistic under the
+            mechanism's neighbouring relation (e.g. `C_x**2` for a Gram matrix
+            of features clipped to norm `C_x`).
+        name: str. What is released, for the privacy statement.
+
+    Example:
+
+    >>> GaussianRelease(noise_std=2.0, sensitivity=0.5, name="gram").noise_multiplier
+    4.0
+    """
+
+    noise_std: float
+    sensitivity: float
+    name: str = ""
+
+    def __post_init__(self):
+        validation.check_noise_multiplier(self.noise_std, "noise_std")
+        validation.check_positive(self.sensitivity, "sensitivity")
+
+    @property
+    def noise_multiplier(self):
+        return self.noise_std / self.sensitivity
+
+    def event(self):
+        return dpa.GaussianDpEvent(self.noise_multiplier)
+
+
+def _effective_noise_multiplier(releases):
+    """The single Gaussian equivalent to independent Gaussian releases.
+
+    Releasing f_i + N(0, σ_i²) for i = 1..m with sensitivities Δ_i is, after
+    scaling each output by 1/σ_i, one Gaussian mechanism with unit noise and
+    L2 sensitivity sqrt(Σ (Δ_i/σ_i)²): its noise multiplier is
+    (Σ z_i⁻²)^(-1/2) with z_i = σ_i/Δ_i.
+    """
+    multipliers = [r.noise_multiplier for r in releases]
+    if any(z == 0 for z in multipliers):
+        return 0.0
+    return sum(z**-2 for z in multipliers) ** -0.5
+
+
+class Mechanism(abc.ABC):
+    """What a private training run releases, described for accounting.
+
+    Subclasses are frozen dataclasses with these attributes: `unit`
+    ("example" or "user"), `population` (number of units in the private
+    data), `sampling` (a short name), `noise_multiplier` (None where there
+    is no single one), `clip_norm` and `sampling_probability` (None where
+    they do not apply), and `neighboring_relation` (a
+    `dp_accounting.NeighboringRelation`).
+    """
+
+    clip_norm = None
+    sampling_probability = None
+
+    @property
+    @abc.abstractmethod
+    def neighboring_relation(self):
+        """The `dp_accounting.NeighboringRelation` the guarantee holds for."""
+
+    def setup_event(self):
+        """Event of one-off releases before the first step (default: none)."""
+        return dpa.NoOpDpEvent()
+
+    def step_event(self):
+        """Event of one step, or None when steps are not independent."""
+        return None
+
+    def event(self, steps):
+        """The `DpEvent` of the one-off releases followed by `steps` steps."""
+        steps = int(steps)
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}.")
+        step = self.step_event()
+        if step is None:
+            raise NotImplementedError(f"{type(self).__name__} must override event().")
+        repeated = dpa.SelfComposedDpEvent(step, steps) if steps else None
+        return _compose([self.setup_event(), *([repeated] if repeated else [])])
+
+    def with_noise_multiplier(self, noise_multiplier):
+        """A copy whose per-step noise multiplier is `noise_multiplier`."""
+        raise TypeError(
+            f"{type(self).__name__} has no single noise multiplier to calibrate."
+        )
+
+    @property
+    def relation_name(self):
+        return RELATION_NAMES[self.neighboring_relation]
+
+    def describe_relation(self):
+        """The neighbouring relation in words, naming the unit."""
+        relation = self.neighboring_relation
+        if relation == Relation.ADD_OR_REMOVE_ONE:
+            what = "all data of one user" if self.unit == "user" else "one example"
+            return f"add or remove {what}"
+        if relation == Relation.REPLACE_SPECIAL:
+            return f"replace one {self.unit}'s data by a zero (null) record"
+        return f"replace one {self.unit}'s data by any other data"
+
+    def describe_sampling(self):
+        return self.sampling
+
+    def parameters(self):
+        """The mechanism's parameters as a JSON-friendly dict."""
+        params = dataclasses.asdict(self)
+        params["type"] = type(self).__name__
+        return params
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledGaussian(Mechanism):
+    """Clipped sum of a sample of units plus Gaussian noise, once per step.
+
+    Covers example-level DP-SGD (units are examples) and DP-FedEmb /
+    DP-FedAvg (units are virtual clients of `users_per_client` users; the
+    privacy unit is the user).
+
+    Sampling (`sampling`):
+    - "poisson": each unit joins a step independently with probability
+      `sample_size / pool_size` (what the accountant of DP-SGD assumes).
+    - "full_batch": every unit in every step (q = 1).
+    - "fixed": `sample_size` units drawn uniformly without replacement. The
+      matching relation is replace-one (a fixed batch size reveals the
+      dataset size, so add/remove does not apply); only the RDP accountant
+      models it.
+
+    Neighbouring relation. With one user per virtual client (or examples),
+    removing a unit removes one clipped contribution of norm ≤ C:
+    add/remove with sensitivity C. With `users_per_client` = k > 1,
+    removing a user changes the *content* of one virtual client, whose
+    clipped update can move anywhere in the C-ball: the sum moves by up to
+    2C. That is the replace-one relation on virtual clients (one update of
+    norm ≤ C replaced by another), accounted with the ordinary noise
+    multiplier z = σ/C by the PLD accountant's REPLACE_ONE model, whose
+    worst case puts the two versions at -C and +C. Treating it as
+    add/remove with z would under-report ε; add/remove with z/2 is sound
+    but far looser. The user-level guarantee follows because the assignment
+    of a user to a virtual client never depends on other users.
+
+    Args:
+        noise_multiplier: float. Noise std divided by the clip norm C.
+        sampling: str. "poisson", "full_batch" or "fixed".
+        sample_size: float. Expected units per step (exact for "fixed").
+        pool_size: int. Number of units sampled from.
+        population: int. Number of privacy units (examples or users).
+        unit: str. "example" or "user".
+        users_per_client: int. Users per virtual client (1 for examples).
+        clip_norm: float or None. C, for the statement only.
+        setup: tuple of `GaussianRelease`. One-off releases before step 1
+            (e.g. the feature covariance of DP-FC).
+    """
+
+    noise_multiplier: float
+    sampling: str
+    sample_size: float
+    pool_size: int
+    population: int
+    unit: str = "example"
+    users_per_client: int = 1
+    clip_norm: float | None = None
+    setup: tuple = ()
+
+    def __post_init__(self):
+        validation.check_noise_multiplier(self.noise_multiplier)
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(
+                f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}."
+            )
+        _check_unit(self.unit)
+        validation.check_positive_int(self.pool_size, "pool_size")
+        validation.check_positive_int(self.population, "population")
+        validation.check_positive_int(self.users_per_client, "users_per_client")
+        validation.check_clip_norm(self.clip_norm)
+        validation.check_positive(self.sample_size, "sample_size")
+        if self.sample_size > self.pool_size:
+            raise ValueError(
+                f"The sample size ({self.sample_size}) is larger than the "
+                f"number of units it is drawn from ({self.pool_size}). Use at "
+                f"most {self.pool_size} per step."
+            )
+        if self.sampling == "full_batch" and self.sample_size != self.pool_size:
+            raise ValueError(
+                "Full-batch sampling uses every unit: sample_size must equal "
+                f"pool_size ({self.pool_size}), got {self.sample_size}."
+            )
+        if self.sampling == "fixed" and self.sample_size != int(self.sample_size):
+            raise ValueError(
+                f"Fixed-size batches need an integer size, got {self.sample_size}."
+            )
+        if self.users_per_client > 1 and self.unit != "user":
+            raise ValueError(
+                "users_per_client > 1 groups users into virtual clients; the "
+                f"unit must be 'user', got {self.unit!r}."
+            )
+        if self.population < self.pool_size:
+            raise ValueError(
+                f"population ({self.population}) cannot be smaller than the "
+                f"number of sampled units ({self.pool_size})."
+            )
+        object.__setattr__(self, "setup", tuple(self.setup))
+
+    @property
+    def sampling_probability(self):
+        return self.sample_size / self.pool_size
+
+    @property
+    def neighboring_relation(self):
+        if self.sampling == "fixed" or self.users_per_client > 1:
+            return Relation.REPLACE_ONE
+        return Relation.ADD_OR_REMOVE_ONE
+
+    def setup_event(self):
+        return _compose([r.event() for r in self.setup])
+
+    def step_event(self):
+        gaussian = dpa.GaussianDpEvent(self.noise_multiplier)
+        if self.sampling == "full_batch":
+            return gaussian
+        if self.sampling == "poisson":
+            return dpa.PoissonSampledDpEvent(self.sampling_probability, gaussian)
+        return dpa.SampledWithoutReplacementDpEvent(
+            self.pool_size, int(self.sample_size), gaussian
+        )
+
+    def with_noise_multiplier(self, noise_multiplier):
+        return dataclasses.replace(self, noise_multiplier=noise_multiplier)
+
+    def steps_for_epochs(self, epochs):
+        """Steps in `epochs` passes: ceil(epochs · pool_size / sample_size).
+
+        An epoch is one expected visit of every unit (example or virtual
+        client). Rounding up never under-counts steps.
+        """
+        epochs = validation.check_positive(epochs, "epochs")
+        exact = (
+            fractions.Fraction(epochs)
+            * self.pool_size
+            / fractions.Fraction(self.sample_size)
+        )
+        return validation.check_steps(math.ceil(exact))
+
+    def describe_relation(self):
+        if self.users_per_client > 1:
+            return (
+                "add or remove all data of one user; with "
+                f"{self.users_per_client} users per virtual client that changes "
+                "one virtual client's clipped update, accounted as replace-one "
+                "on virtual clients (the sum moves by up to 2C)"
+            )
+        return super().describe_relation()
+
+    def describe_sampling(self):
+        what = "virtual client" if self.unit == "user" else "example"
+        if self.sampling == "full_batch":
+            return f"full batch: every {what} in every step"
+        if self.sampling == "fixed":
+            return (
+                f"fixed-size batches of {int(self.sample_size)} {what}s drawn "
+                f"without replacement from {self.pool_size}"
+            )
+        return (
+            f"Poisson: each {what} joins a step independently with "
+            f"probability {self.sampling_probability:.4g}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianReleases(Mechanism):
+    """Independent Gaussian releases of full-data statistics at every step.
+
+    For the last-layer methods: DP least squares (one step releasing the
+    Gram matrix and the per-class sums), DP-Newton (per step, a noisy
+    gradient and Hessian). Each release has its own noise and sensitivity
+    (under add/remove of one example); the noise of every release is drawn
+    independently. Their composition is exactly one Gaussian mechanism
+    with noise multiplier (Σ z_i⁻²)^(-1/2), reported as `noise_multiplier`.
+
+    Args:
+        releases: tuple of `GaussianRelease`, released at every step.
+        population: int. Number of examples.
+        unit: str. "example" or "user".
+        clip_norm: float or None. Feature clip norm, for the statement.
+        setup: tuple of `GaussianRelease`. One-off releases before step 1.
+    """
+
+    releases: tuple
+    population: int
+    unit: str = "example"
+    clip_norm: float | None = None
+    setup: tuple = ()
+
+    def __post_init__(self):
+        releases = tuple(self.releases)
+        if not releases or not all(isinstance(r, GaussianRelease) for r in releases):
+            raise ValueError(
+                "releases must be a non-empty sequence of GaussianRelease, got "
+                f"{self.releases!r}."
+            )
+        object.__setattr__(self, "releases", releases)
+        object.__setattr__(self, "setup", tuple(self.setup))
+        validation.check_positive_int(self.population, "population")
+        validation.check_clip_norm(self.clip_norm)
+        _check_unit(self.unit)
+
+    neighboring_relation = Relation.ADD_OR_REMOVE_ONE
+    sampling = "full_batch"
+    sampling_probability = 1.0
+
+    @property
+    def noise_multiplier(self):
+        return _effective_noise_multiplier(self.releases)
+
+    def setup_event(self):
+        return _compose([r.event() for r in self.setup])
+
+    def step_event(self):
+        return _compose([r.event() for r in self.releases])
+
+    def with_noise_multiplier(self, noise_multiplier):
+        """Scales every per-step release so the composition has this multiplier.
+
+        The split of the budget between the releases is kept; one-off
+        `setup` releases keep their noise.
+        """
+        noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
+        current = self.noise_multiplier
+        if current == 0:
+            raise ValueError("Cannot rescale releases that have zero noise.")
+        scale = noise_multiplier / current
+        releases = tuple(
+            dataclasses.replace(r, noise_std=r.noise_std * scale) for r in self.releases
+        )
+        return dataclasses.replace(self, releases=releases)
+
+    def describe_sampling(self):
+        names = ", ".join(r.name or "statistic" for r in self.releases)
+        return f"full data each step; releases: {names}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZCDP(Mechanism):
+    """A step known only to satisfy (ξ, ρ)-zCDP, e.g. from another library.
+
+    Each step satisfies (α, ξ + ρα)-RDP for all α > 1 under
+    `neighboring_relation`. Only the RDP accountant can use this.
+
+    Args:
+        rho: float. ρ of each step.
+        population: int. Number of privacy units.
+        xi: float. ξ of each step. Defaults to 0.
+        unit: str. "example" or "user".
+        relation: str. The relation the zCDP guarantee holds for.
+    """
+
+    rho: float
+    population: int
+    xi: float = 0.0
+    unit: str = "example"
+    relation: str = "add_or_remove_one"
+
+    def __post_init__(self):
+        validation.check_positive(self.rho, "rho")
+        if validation.check_finite_real(self.xi, "xi") < 0:
+            raise ValueError(f"xi must be >= 0, got {self.xi!r}.")
+        validation.check_positive_int(self.population, "population")
+        _check_unit(self.unit)
+        relation_from_name(self.relation)
+
+    sampling = "as stated by the zCDP guarantee"
+    noise_multiplier = None
+
+    @property
+    def neighboring_relation(self):
+        return relation_from_name(self.relation)
+
+    def step_event(self):
+        return dpa.ZCDpEvent(self.rho, self.xi)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAggregation(Mechanism):
+    """DP-FTRL: tree-aggregated noisy gradient sums, one pass per epoch.
+
+    Each epoch visits every example in at most one step (no sampling);
+    prefix sums of clipped gradients are released through a binary tree
+    with Gaussian noise of multiplier `noise_multiplier` on every node.
+    The guarantee is for replacing one example by a zero record
+    (REPLACE_SPECIAL). Epochs compose; a partial last epoch is accounted as
+    a tree over the steps it took. Only the RDP accountant models this.
+
+    Args:
+        noise_multiplier: float. Noise std per tree node over the clip norm.
+        steps_per_epoch: int. Steps (leaves) per epoch.
+        population: int. Number of examples.
+        unit: str. "example" or "user".
+        clip_norm: float or None. For the statement.
+
+    References:
+        Kairouz et al., "Practical and Private (Deep) Learning without
+        Sampling or Shuffling", ICML 2021.
+    """
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    population: int
+    unit: str = "example"
+    clip_norm: float | None = None
+
+    def __post_init__(self):
+        validation.check_noise_multiplier(self.noise_multiplier)
+        validation.check_positive_int(self.steps_per_epoch, "steps_per_epoch")
+        validation.check_positive_int(self.population, "population")
+        validation.check_clip_norm(self.clip_norm)
+        _check_unit(self.unit)
+
+    neighboring_relation = Relation.REPLACE_SPECIAL
+    sampling = "tree"
+
+    def event(self, steps):
+        steps = int(steps)
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}.")
+        full_epochs, remainder = divmod(steps, self.steps_per_epoch)
+        events = []
+        if full_epochs:
+            tree = dpa.SingleEpochTreeAggregationDpEvent(
+                self.noise_multiplier, self.steps_per_epoch
+            )
+            events.append(dpa.SelfComposedDpEvent(tree, full_epochs))
+        if remainder:
+            events.append(
+                dpa.SingleEpochTreeAggregationDpEvent(self.noise_multiplier, remainder)
+            )
+        return _compose(events)
+
+    def with_noise_multiplier(self, noise_multiplier):
+        return dataclasses.replace(self, noise_multiplier=noise_multiplier)
+
+    def describe_sampling(self):
+        return (
+            f"one pass per epoch of {self.steps_per_epoch} steps; each "
+            f"{self.unit} in at most one step per epoch; tree aggregation"
+        )
+
+
+# Builders --------------------------------------------------------------------
+
+
+def dp_sgd(
+    noise_multiplier, batch_size, num_examples, *, sampling="poisson", clip_norm=None
+):
+    """Example-level DP-SGD: per-example clipping, Gaussian noise per step.
+
+    Args:
+        noise_multiplier: float. Noise std over the clip norm.
+        batch_size: int or float. Expected batch size (Poisson) or exact
+            batch size ("fixed").
+        num_examples: int. Number of training examples N.
+        sampling: str. "poisson" (default; q = batch_size / N) or "fixed".
+            For one step on all the data use `full_batch`.
+        clip_norm: float or None. The clip norm, for the statement.
+
+    Example:
+
+    >>> m = dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    >>> round(m.sampling_probability, 5), m.relation_name
+    (0.00427, 'add_or_remove_one')
+    """
+    if sampling == "full_batch":
+        raise ValueError("Use kdpemb.privacy.full_batch(...) for full-batch steps.")
+    num_examples = validation.check_positive_int(num_examples, "num_examples")
+    return SampledGaussian(
+        noise_multiplier=noise_multiplier,
+        sampling=sampling,
+        sample_size=batch_size,
+        pool_size=num_examples,
+        population=num_examples,
+        unit="example",
+        clip_norm=clip_norm,
+    )
+
+
+def full_batch(
+    noise_multiplier, num_examples, *, clip_norm=None, unit="example", setup=()
+):
+    """Every example in every step (q = 1): one Gaussian release per step.
+
+    Example:
+
+    >>> full_batch(noise_multiplier=5.0, num_examples=1000).sampling_probability
+    1.0
+    """
+    num_examples = validation.check_positive_int(num_examples, "num_examples")
+    return SampledGaussian(
+        noise_multiplier=noise_multiplier,
+        sampling="full_batch",
+        sample_size=num_examples,
+        pool_size=num_examples,
+        population=num_examples,
+        unit=unit,
+        clip_norm=clip_norm,
+        setup=setup,
+    )
+
+
+def virtual_clients(
+    noise_multiplier,
+    clients_per_round,
+    num_users,
+    *,
+    users_per_client=1,
+    sampling="poisson",
+    clip_norm=None,
+):
+    """User-level DP-FedEmb / DP-FedAvg rounds over virtual clients.
+
+    Users are grouped into `ceil(num_users / users_per_client)` virtual
+    clients; each round samples `clients_per_round` of them (in
+    expectation, for Poisson), clips each client's update to C, sums, and
+    adds N(0, (zC)²) once. With `users_per_client` > 1 the relation is
+    replace-one on virtual clients (see `SampledGaussian`).
+
+    Args:
+        noise_multiplier: float. z = noise std / C.
+        clients_per_round: float. Expected virtual clients per round M.
+        num_users: int. Number of users.
+        users_per_client: int. Users per virtual client k. Defaults to 1.
+        sampling: str. "poisson" (default), "full_batch" or "fixed".
+        clip_norm: float or None. C, for the statement.
+
+    Example:
+
+    >>> m = virtual_clients(1.0, clients_per_round=64, num_users=10_000,
+    ...                     users_per_client=4)
+    >>> m.pool_size, m.relation_name
+    (2500, 'replace_one')
+    """
+    pool = num_virtual_clients(num_users, users_per_client)
+    if sampling == "full_batch":
+        clients_per_round = pool if clients_per_round is None else clients_per_round
+    clients_per_round = validation.check_positive(
+        clients_per_round, "clients_per_round"
+    )
+    if clients_per_round > pool:
+        raise ValueError(
+            f"clients_per_round={clients_per_round:g} is more than the "
+            f"{pool} virtual clients that {num_users} users with "
+            f"users_per_client={users_per_client} make. Use at most {pool} "
+            "clients per round, or fewer users per client."
+        )
+    return SampledGaussian(
+        noise_multiplier=noise_multiplier,
+        sampling=sampling,
+        sample_size=clients_per_round,
+        pool_size=pool,
+        population=num_users,
+        unit="user",
+        users_per_client=users_per_client,
+        clip_norm=clip_norm,
+    )
+
+
+def gaussian_releases(
+    releases, num_examples, *, setup=(), clip_norm=None, unit="example"
+):
+    """Gaussian releases of full-data statistics at every step (DP-LS, DP-Newton).
+
+    Args:
+        releases: sequence of `GaussianRelease` or `(noise_std, sensitivity)`
+            or `(noise_std, sensitivity, name)` tuples.
+        num_examples: int. Number of examples.
+        setup: one-off releases before the first step, same forms.
+        clip_norm: float or None. Feature clip norm, for the statement.
+        unit: str. "example" or "user".
+
+    Example:
+
+    >>> m = gaussian_releases([(2.0, 1.0, "gram"), (2.0, 1.0, "class sums")],
+    ...                       num_examples=10_000)
+    >>> round(m.noise_multiplier, 4)
+    1.4142
+    """
+    return GaussianReleases(
+        releases=_as_releases(releases),
+        population=num_examples,
+        unit=unit,
+        clip_norm=clip_norm,
+        setup=_as_releases(setup),
+    )
+
+
+def _as_releases(items):
+    return tuple(
+        item if isinstance(item, GaussianRelease) else GaussianRelease(*item)
+        for item in items
+    )
+
+
+def zcdp(
+    rho, population, *, xi=0.0, unit="example", neighboring_relation="add_or_remove_one"
+):
+    """Steps that each satisfy (ξ, ρ)-zCDP (RDP accountant only).
+
+    Example:
+
+    >>> zcdp(rho=0.01, population=1000).step_event()
+    ZCDpEvent(rho=0.01, xi=0.0)
+    """
+    return ZCDP(
+        rho=rho, population=population, xi=xi, unit=unit, relation=neighboring_relation
+    )
+
+
+def tree_aggregation(
+    noise_multiplier, steps_per_epoch, num_examples, *, clip_norm=None
+):
+    """DP-FTRL with single-epoch tree aggregation (RDP accountant only).
+
+    Example:
+
+    >>> m = tree_aggregation(10.0, steps_per_epoch=100, num_examples=6400)
+    >>> two_epochs, partial_epoch = m.event(250).events
+    >>> two_epochs.count, two_epochs.event.step_counts, partial_epoch.step_counts
+    (2, 100, 50)
+    """
+    return TreeAggregation(
+        noise_multiplier=noise_multiplier,
+        steps_per_epoch=steps_per_epoch,
+        population=num_examples,
+        clip_norm=clip_norm,
+    )

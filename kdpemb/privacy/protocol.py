@@ -1,0 +1,98 @@
+"""The small protocol through which a model exposes its DP schedule.
+
+`kdpemb.callbacks.PrivacyBudget` (and `privacy_statement`) work with any
+Keras model that has:
+
+- `private_steps`: a non-trainable integer `keras.Variable` owned by the
+  model, counting the private steps (rounds) taken so far. Being model
+  state, it is saved by `model.save`, `save_weights` and checkpoints, so a
+  restored model or a second `fit` keeps counting. Each call of
+  `train_step` adds exactly 1 (a step that reads private data) or 0.
+- `privacy_mechanism()`: returns the `kdpemb.privacy.Mechanism` of one such
+  step. Every step counted by `private_steps` must have used it.
+
+kdpemb's DP models implement it. Example of a minimal implementation:
+
+    class MyDPModel(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.private_steps = self.add_weight(
+                shape=(), dtype="int32", initializer="zeros",
+                trainable=False, name="private_steps")
+
+        def privacy_mechanism(self):
+            return kdpemb.privacy.dp_sgd(1.1, batch_size=256,
+                                         num_examples=60_000)
+
+        def train_step(self, data):
+            ...  # clip, add noise once, update
+            self.private_steps.assign_add(1)
+"""
+
+import typing
+
+import numpy as np
+
+from kdpemb.privacy.mechanisms import Mechanism
+from kdpemb.privacy.statement import PrivacyStatement
+
+
+@typing.runtime_checkable
+class PrivateModel(typing.Protocol):
+    """A model that counts its private steps and states its mechanism."""
+
+    private_steps: typing.Any
+
+    def privacy_mechanism(self) -> Mechanism: ...
+
+
+def check_private_model(model):
+    """Returns the model's mechanism; a clear error if it lacks the protocol."""
+    missing = [
+        name
+        for name in ("private_steps", "privacy_mechanism")
+        if not hasattr(model, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"{type(model).__name__} does not expose a DP schedule: it lacks "
+            f"{' and '.join(missing)}. PrivacyBudget needs a model that "
+            "implements kdpemb's privacy protocol (see "
+            "kdpemb.privacy.protocol): a kdpemb DP model, or your own model "
+            "with a `private_steps` variable and a `privacy_mechanism()` "
+            "method."
+        )
+    mechanism = model.privacy_mechanism()
+    if not isinstance(mechanism, Mechanism):
+        raise TypeError(
+            f"{type(model).__name__}.privacy_mechanism() must return a "
+            f"kdpemb.privacy.Mechanism, got {type(mechanism).__name__}."
+        )
+    return mechanism
+
+
+def read_private_steps(model):
+    """The model's private step count as a Python int.
+
+    On JAX, call it when the model's state is synced (at train, epoch and
+    batch boundaries that Keras syncs: train begin, epoch begin and end).
+    """
+    value = model.private_steps
+    steps = int(np.asarray(getattr(value, "value", value)))
+    if steps < 0:
+        raise ValueError(f"{type(model).__name__}.private_steps is negative: {steps}.")
+    return steps
+
+
+def privacy_statement(model, delta, accountant="pld"):
+    """The `PrivacyStatement` of a model that implements the protocol.
+
+    Args:
+        model: a model with `private_steps` and `privacy_mechanism()`.
+        delta: float. The δ.
+        accountant: str. "pld" (default) or "rdp".
+    """
+    mechanism = check_private_model(model)
+    return PrivacyStatement.compute(
+        mechanism, read_private_steps(model), delta, accountant
+    )

@@ -1,0 +1,202 @@
+"""PrivacyStatement: the guarantee a trained model ships with."""
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+
+from kdpemb.privacy import validation
+from kdpemb.privacy.accountant import Accountant
+from kdpemb.version import __version__
+
+_ACCOUNTANT_NAMES = {
+    "pld": "PLD (privacy loss distributions, dp-accounting)",
+    "rdp": "RDP (Rényi DP, dp-accounting)",
+}
+
+
+def _dp_accounting_version():
+    try:
+        return importlib.metadata.version("dp-accounting")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        return "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyStatement:
+    """An (ε, δ)-DP guarantee with everything needed to read it correctly.
+
+    Attributes:
+        epsilon: float. ε; `math.inf` means no guarantee (no noise).
+        delta: float. δ.
+        unit: str. "example" or "user": whose data the guarantee protects.
+        neighboring_relation: str. "add_or_remove_one", "replace_one" or
+            "replace_special".
+        relation_description: str. The relation in words.
+        sampling: str. "poisson", "full_batch", "fixed", "tree", ...
+        sampling_description: str. The sampling assumption in words.
+        accountant: str. "pld" or "rdp".
+        steps: int. Private steps (rounds) accounted for.
+        noise_multiplier: float or None. Noise std over sensitivity.
+        clip_norm: float or None. The clip norm C.
+        sampling_probability: float or None. q per step.
+        population: int. Number of units (examples or users).
+        mechanism: dict. The mechanism's parameters.
+        kdpemb_version, dp_accounting_version: str. Software that computed it.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(1.1, batch_size=256, num_examples=60_000,
+    ...                    clip_norm=1.0)
+    >>> statement = privacy.PrivacyStatement.compute(m, steps=14_063, delta=1e-5)
+    >>> print(statement.summary())  # doctest: +ELLIPSIS
+    (ε = 2.38, δ = 1e-05)-DP per example (add or remove one example); ...
+    >>> privacy.PrivacyStatement.from_json(statement.to_json()) == statement
+    True
+    """
+
+    epsilon: float
+    delta: float
+    unit: str
+    neighboring_relation: str
+    relation_description: str
+    sampling: str
+    sampling_description: str
+    accountant: str
+    steps: int
+    noise_multiplier: float | None
+    clip_norm: float | None
+    sampling_probability: float | None
+    population: int
+    mechanism: dict = dataclasses.field(default_factory=dict, compare=False)
+    kdpemb_version: str = __version__
+    dp_accounting_version: str = dataclasses.field(
+        default_factory=_dp_accounting_version
+    )
+
+    @classmethod
+    def compute(cls, mechanism, steps, delta, accountant="pld"):
+        """Accounts `steps` steps of `mechanism` and states the result.
+
+        Args:
+            mechanism: `kdpemb.privacy.Mechanism`.
+            steps: int. Private steps taken (0 is allowed: nothing released
+                yet, or only one-off releases).
+            delta: float. The δ to state ε at.
+            accountant: str or `Accountant`. "pld" (default), "rdp", or an
+                existing accountant of this mechanism (reuses its caches).
+        """
+        if isinstance(accountant, Accountant):
+            if accountant.mechanism != mechanism:
+                raise ValueError("The accountant was built for another mechanism.")
+        else:
+            accountant = Accountant(mechanism, accountant)
+        steps = validation.check_steps(steps, minimum=0)
+        return cls(
+            epsilon=accountant.epsilon(delta, steps),
+            delta=float(delta),
+            unit=mechanism.unit,
+            neighboring_relation=mechanism.relation_name,
+            relation_description=mechanism.describe_relation(),
+            sampling=mechanism.sampling,
+            sampling_description=mechanism.describe_sampling(),
+            accountant=accountant.method,
+            steps=steps,
+            noise_multiplier=mechanism.noise_multiplier,
+            clip_norm=mechanism.clip_norm,
+            sampling_probability=mechanism.sampling_probability,
+            population=mechanism.population,
+            mechanism=mechanism.parameters(),
+        )
+
+    @property
+    def is_private(self):
+        """False when ε is infinite (no noise): no privacy guarantee."""
+        return math.isfinite(self.epsilon)
+
+    def summary(self):
+        """One line: the guarantee, its unit, relation and schedule."""
+        if self.is_private:
+            head = f"(ε = {self.epsilon:.3g}, δ = {self.delta:.3g})-DP"
+        else:
+            head = "NO differential privacy guarantee (ε = ∞: no noise)"
+        parts = [
+            f"{head} per {self.unit} ({self.relation_description})",
+            f"{self.steps} steps",
+            f"sampling: {self.sampling_description}",
+        ]
+        if self.noise_multiplier is not None:
+            parts.append(f"noise multiplier {self.noise_multiplier:.4g}")
+        if self.clip_norm is not None:
+            parts.append(f"clip norm {self.clip_norm:g}")
+        parts.append(f"{self.accountant.upper()} accountant")
+        return "; ".join(parts) + "."
+
+    def to_dict(self):
+        """A JSON-ready dict; an infinite ε is written as null."""
+        data = dataclasses.asdict(self)
+        if not self.is_private:
+            data["epsilon"] = None
+        return data
+
+    def to_json(self, indent=2):
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data):
+        data = dict(data)
+        if data.get("epsilon") is None:
+            data["epsilon"] = math.inf
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text):
+        return cls.from_dict(json.loads(text))
+
+    def rows(self):
+        """(field, value) pairs for display."""
+        epsilon = f"{self.epsilon:.4g}" if self.is_private else "∞ (no privacy)"
+
+        def optional(value, fmt):
+            return "-" if value is None else format(value, fmt)
+
+        return [
+            ("ε (epsilon)", epsilon),
+            ("δ (delta)", f"{self.delta:.3g}"),
+            ("unit of privacy", self.unit),
+            (
+                "neighbouring relation",
+                f"{self.neighboring_relation}: {self.relation_description}",
+            ),
+            ("sampling", self.sampling_description),
+            ("sampling probability q", optional(self.sampling_probability, ".4g")),
+            ("population", f"{self.population:,} {self.unit}s"),
+            ("steps", f"{self.steps:,}"),
+            ("noise multiplier", optional(self.noise_multiplier, ".4g")),
+            ("clip norm", optional(self.clip_norm, "g")),
+            ("accountant", _ACCOUNTANT_NAMES.get(self.accountant, self.accountant)),
+            (
+                "software",
+                f"kdpemb {self.kdpemb_version}, dp-accounting "
+                f"{self.dp_accounting_version}",
+            ),
+        ]
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(
+            title="Privacy statement", show_header=False, title_justify="left"
+        )
+        table.add_column("field", style="bold")
+        table.add_column("value")
+        for field, value in self.rows():
+            table.add_row(field, value)
+        return table
+
+    def __str__(self):
+        width = max(len(field) for field, _ in self.rows())
+        lines = ["Privacy statement"]
+        lines += [f"  {field:<{width}}  {value}" for field, value in self.rows()]
+        return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""A tiny but real DP-SGD model that implements kdpemb's privacy protocol.
+
+For tests and benchmarks of privacy callbacks on both backends; kdpemb's
+real DP models replace it for training. Importing this module imports Keras.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from kdpemb import privacy
+
+
+@keras.saving.register_keras_serializable(package="kdpemb.testing")
+class ToyDPRegressor(keras.Model):
+    """Linear regression trained with Poisson-sampled DP-SGD.
+
+    Every batch must be the whole training set of `num_examples` examples
+    (see `FullBatchSequence`). Each `train_step` draws a Poisson sample
+    (each example independently with probability q), computes the gradient
+    of ½(w·x + b − y)² of each sampled example in closed form, clips each
+    to `clip_norm`, sums, adds N(0, (z·C)² I) once, divides by the expected
+    batch size q·N and hands the result to the compiled optimizer. It then
+    adds 1 to `private_steps`, which is all it logs: a loss on the private
+    data would itself be a release.
+
+    Args:
+        num_examples: int. N, the size of the private training set.
+        num_features: int. Input dimension.
+        noise_multiplier: float. z.
+        sampling_probability: float. q.
+        clip_norm: float. C. Defaults to 1.
+        seed: int or None. Seed of the sampling and noise (tests only).
+    """
+
+    def __init__(
+        self,
+        num_examples,
+        num_features,
+        noise_multiplier,
+        sampling_probability,
+        clip_norm=1.0,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_examples = int(num_examples)
+        self.num_features = int(num_features)
+        self.noise_multiplier = float(noise_multiplier)
+        self.sampling_probability = float(sampling_probability)
+        self.clip_norm = float(clip_norm)
+        self.seed = seed
+        self.privacy_mechanism()  # Validates the schedule now.
+        self.kernel = self.add_weight(
+            shape=(self.num_features,), initializer="zeros", name="kernel"
+        )
+        self.bias = self.add_weight(shape=(), initializer="zeros", name="bias")
+        self.private_steps = self.add_weight(
+            shape=(),
+            dtype="int32",
+            initializer="zeros",
+            trainable=False,
+            name="private_steps",
+        )
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.built = True
+
+    def privacy_mechanism(self):
+        return privacy.dp_sgd(
+            self.noise_multiplier,
+            batch_size=self.sampling_probability * self.num_examples,
+            num_examples=self.num_examples,
+            clip_norm=self.clip_norm,
+        )
+
+    def call(self, x):
+        return ops.matmul(x, self.kernel) + self.bias
+
+    def train_step(self, *args):
+        # TensorFlow calls train_step(data); JAX calls train_step(state, data).
+        if len(args) == 2:
+            return self._stateless_train_step(*args)
+        return self._private_update(*args[0][:2])
+
+    def _private_update(self, x, y):
+        if x.shape[0] not in (None, self.num_examples):
+            raise ValueError(
+                f"Each batch must hold all {self.num_examples} examples (the "
+                f"Poisson sample is drawn inside the step); got {x.shape[0]}. "
+                "Feed the data with kdpemb.testing.FullBatchSequence."
+            )
+        # Where the batch size is not static (tf.function), this fails at run
+        # time on any other batch size.
+        x = ops.reshape(x, (self.num_examples, self.num_features))
+        q, clip = self.sampling_probability, self.clip_norm
+        sampled = keras.random.uniform((self.num_examples,), seed=self.seed_generator)
+        sampled = ops.cast(sampled < q, x.dtype)
+        residual = self(x) - ops.reshape(ops.cast(y, x.dtype), (-1,))
+        norms = ops.abs(residual) * ops.sqrt(ops.sum(x * x, axis=1) + 1.0)
+        scale = sampled * ops.minimum(1.0, clip / ops.maximum(norms, 1e-12))
+        weights = scale * residual
+        std = self.noise_multiplier * clip
+        noise_w = keras.random.normal(
+            (self.num_features,), stddev=std, seed=self.seed_generator
+        )
+        noise_b = keras.random.normal((), stddev=std, seed=self.seed_generator)
+        denominator = q * self.num_examples
+        grad_w = (ops.matmul(weights, x) + noise_w) / denominator
+        grad_b = (ops.sum(weights) + noise_b) / denominator
+        self.optimizer.apply([grad_w, grad_b], [self.kernel, self.bias])
+        self.private_steps.assign_add(1)
+        return {"private_steps": self.private_steps.value}
+
+    def _stateless_train_step(self, state, data):
+        groups = (
+            self.trainable_variables,
+            self.non_trainable_variables,
+            self.optimizer.variables,
+            self.metrics_variables,
+        )
+        mapping = [
+            pair
+            for variables, values in zip(groups, state, strict=True)
+            for pair in zip(variables, values, strict=True)
+        ]
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            logs = self._private_update(*data[:2])
+        new_state = tuple(
+            [scope.get_current_value(v) for v in variables] for variables in groups
+        )
+        return logs, new_state
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_examples=self.num_examples,
+            num_features=self.num_features,
+            noise_multiplier=self.noise_multiplier,
+            sampling_probability=self.sampling_probability,
+            clip_norm=self.clip_norm,
+            seed=self.seed,
+        )
+        return config
+
+
+class FullBatchSequence(keras.utils.PyDataset):
+    """Yields the whole dataset `steps_per_epoch` times per epoch."""
+
+    def __init__(self, x, y, steps_per_epoch, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.steps_per_epoch = x, y, int(steps_per_epoch)
+
+    def __len__(self):
+        return self.steps_per_epoch
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.steps_per_epoch:
+            raise IndexError(index)
+        return self.x, self.y
+
+
+def toy_regression_data(num_examples, num_features, steps_per_epoch, seed=0):
+    """A noisy linear regression set, as a `FullBatchSequence`."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_examples, num_features)).astype("float32")
+    w = rng.normal(size=(num_features,)).astype("float32")
+    y = (x @ w + 0.1 * rng.normal(size=num_examples)).astype("float32")
+    return FullBatchSequence(x, y, steps_per_epoch)

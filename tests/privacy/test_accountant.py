@@ -1,0 +1,236 @@
+import math
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+
+from kdpemb import privacy
+
+MNIST, BATCH, DELTA = 60_000, 256, 1e-5
+# TensorFlow Privacy's MNIST tutorial: (noise multiplier, epochs, reported ε).
+TF_PRIVACY_TUTORIAL = [(1.1, 60, 3.01), (1.3, 15, 1.19), (0.7, 45, 7.10)]
+# The orders TensorFlow Privacy's compute_dp_sgd_privacy used.
+TF_PRIVACY_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+
+
+def mnist_schedule(noise_multiplier, epochs):
+    mechanism = privacy.dp_sgd(noise_multiplier, BATCH, MNIST)
+    return mechanism, mechanism.steps_for_epochs(epochs)
+
+
+@pytest.mark.parametrize("noise, epochs, published", TF_PRIVACY_TUTORIAL)
+def test_rdp_curve_reproduces_the_published_epsilon_with_the_classic_conversion(
+    noise, epochs, published
+):
+    """Our event and step count, converted the 2019 way, give the published ε."""
+    mechanism, steps = mnist_schedule(noise, epochs)
+    accountant = dpa.rdp.RdpAccountant(TF_PRIVACY_ORDERS).compose(
+        mechanism.event(steps)
+    )
+    orders = np.array(TF_PRIVACY_ORDERS)
+    classic = np.min(accountant.rdp - math.log(DELTA) / (orders - 1))
+    assert classic == pytest.approx(published, rel=5e-3)
+
+
+@pytest.mark.parametrize("noise, epochs, published", TF_PRIVACY_TUTORIAL)
+def test_modern_accountants_do_not_exceed_the_published_epsilon(
+    noise, epochs, published
+):
+    """Tolerance: RDP in [0.75, 1] × published; PLD in [0.65 × published, RDP]."""
+    mechanism, steps = mnist_schedule(noise, epochs)
+    rdp = privacy.epsilon(mechanism, steps, DELTA, accountant="rdp")
+    pld = privacy.epsilon(mechanism, steps, DELTA, accountant="pld")
+    assert 0.75 * published <= rdp <= published
+    assert 0.65 * published <= pld <= rdp
+
+
+@pytest.mark.parametrize(
+    "z, steps, delta", [(1.0, 1, 1e-5), (3.0, 1, 1e-6), (4.0, 16, 1e-5)]
+)
+def test_full_batch_pld_matches_the_analytic_gaussian_mechanism(z, steps, delta):
+    """T full-batch Gaussian steps are one Gaussian with noise z/√T (Balle & Wang)."""
+    mechanism = privacy.full_batch(z, num_examples=1_000)
+    analytic = dpa.get_epsilon_gaussian(z / math.sqrt(steps), delta)
+    pld = privacy.epsilon(mechanism, steps, delta)
+    assert analytic <= pld <= analytic * 1.002 + 1e-4
+
+
+@pytest.mark.parametrize(
+    "mechanism, relation",
+    [
+        (privacy.dp_sgd(0.8, 100, 10_000), dpa.NeighboringRelation.ADD_OR_REMOVE_ONE),
+        (privacy.full_batch(6.0, 10_000), dpa.NeighboringRelation.ADD_OR_REMOVE_ONE),
+        (
+            privacy.virtual_clients(1.0, 50, 20_000, users_per_client=2),
+            dpa.NeighboringRelation.REPLACE_ONE,
+        ),
+        (
+            privacy.gaussian_releases([(4.0, 1.0), (6.0, 2.0)], num_examples=10_000),
+            dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        ),
+    ],
+    ids=["poisson", "full_batch", "virtual_clients_k2", "releases"],
+)
+@pytest.mark.parametrize("steps", [1, 23, 150])
+def test_accountants_agree_with_dp_accounting_on_the_same_event(
+    mechanism, relation, steps
+):
+    delta = 1e-6
+    event = mechanism.event(steps)
+    pld = dpa.pld.PLDAccountant(relation).compose(event).get_epsilon(delta)
+    assert privacy.epsilon(mechanism, steps, delta) == pytest.approx(pld, rel=2e-3)
+    if relation == dpa.NeighboringRelation.ADD_OR_REMOVE_ONE:
+        rdp = dpa.rdp.RdpAccountant(None, relation).compose(event).get_epsilon(delta)
+        ours = privacy.epsilon(mechanism, steps, delta, accountant="rdp")
+        assert ours == pytest.approx(rdp, rel=1e-9)
+
+
+def test_incremental_composition_equals_a_fresh_computation():
+    mechanism = privacy.dp_sgd(1.0, 128, 50_000)
+    incremental = privacy.Accountant(mechanism)
+    values = [incremental.epsilon(1e-6, steps) for steps in (100, 350, 351, 1200)]
+    fresh = [
+        privacy.Accountant(mechanism).epsilon(1e-6, s) for s in (100, 350, 351, 1200)
+    ]
+    np.testing.assert_allclose(values, fresh, rtol=1e-6)
+    assert values == sorted(values)
+    # Going back to fewer steps recomputes (the cache only extends forward).
+    assert incremental.epsilon(1e-6, 100) == values[0]
+    assert privacy.Accountant(mechanism).epsilon(1e-6, 200) == pytest.approx(
+        incremental.epsilon(1e-6, 200), rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("method", privacy.METHODS)
+def test_epsilon_grows_with_steps_and_shrinks_with_noise(method):
+    def eps(z, steps):
+        return privacy.epsilon(
+            privacy.dp_sgd(z, 64, 8_000), steps, 1e-5, accountant=method
+        )
+
+    assert eps(1.0, 10) < eps(1.0, 100) < eps(1.0, 1000)
+    assert eps(2.0, 100) < eps(1.0, 100) < eps(0.7, 100)
+
+
+@pytest.mark.parametrize("method", privacy.METHODS)
+def test_delta_and_epsilon_are_inverse(method):
+    mechanism = privacy.dp_sgd(1.1, 256, MNIST)
+    accountant = privacy.Accountant(mechanism, method)
+    epsilon = accountant.epsilon(1e-6, 2000)
+    assert accountant.delta(epsilon, 2000) == pytest.approx(1e-6, rel=0.02)
+    assert (
+        accountant.delta(epsilon * 1.2, 2000)
+        < 1e-6
+        < accountant.delta(epsilon / 1.2, 2000)
+    )
+
+
+@pytest.mark.parametrize("method", privacy.METHODS)
+def test_zero_noise_gives_no_guarantee(method):
+    mechanism = privacy.dp_sgd(0.0, 64, 8_000)
+    accountant = privacy.Accountant(mechanism, method)
+    assert accountant.epsilon(1e-5, 1) == math.inf
+    assert accountant.delta(100.0, 1) == 1.0
+
+
+def test_setup_releases_count_before_the_first_step():
+    covariance = privacy.GaussianRelease(noise_std=8.0, sensitivity=1.0, name="cov")
+    plain = privacy.full_batch(5.0, 10_000)
+    with_setup = privacy.full_batch(5.0, 10_000, setup=(covariance,))
+    accountant = privacy.Accountant(with_setup)
+    assert privacy.Accountant(plain).epsilon(1e-6, 0) == 0.0
+    assert accountant.epsilon(1e-6, 0) == pytest.approx(
+        dpa.get_epsilon_gaussian(8.0, 1e-6), rel=2e-3
+    )
+    # Gaussians compose exactly: 1/z² adds up.
+    combined = (5.0**-2 * 3 + 8.0**-2) ** -0.5
+    assert accountant.epsilon(1e-6, 3) == pytest.approx(
+        dpa.get_epsilon_gaussian(combined, 1e-6), rel=2e-3
+    )
+
+
+def test_pld_refuses_what_dp_accounting_cannot_model_and_rdp_accounts_it():
+    fixed = privacy.dp_sgd(1.0, 256, MNIST, sampling="fixed")
+    tree = privacy.tree_aggregation(8.0, steps_per_epoch=100, num_examples=6_400)
+    zcdp = privacy.zcdp(rho=0.001, population=10_000)
+    for mechanism in (fixed, tree, zcdp):
+        with pytest.raises(privacy.UnsupportedMechanismError, match="'rdp'"):
+            privacy.Accountant(mechanism, "pld")
+        assert 0 < privacy.epsilon(mechanism, 100, 1e-6, accountant="rdp") < math.inf
+
+
+def test_fixed_size_sampling_uses_the_replace_one_relation():
+    fixed = privacy.dp_sgd(1.0, 256, MNIST, sampling="fixed")
+    assert fixed.neighboring_relation == dpa.NeighboringRelation.REPLACE_ONE
+    reference = dpa.rdp.RdpAccountant(None, dpa.NeighboringRelation.REPLACE_ONE)
+    reference.compose(fixed.event(500))
+    assert privacy.epsilon(fixed, 500, 1e-6, accountant="rdp") == pytest.approx(
+        reference.get_epsilon(1e-6), rel=1e-9
+    )
+
+
+def test_zcdp_epsilon_is_below_the_classic_conversion():
+    """ρ-zCDP implies (ρ + 2√(ρ log(1/δ)), δ)-DP (Bun & Steinke 2016)."""
+    rho, steps, delta = 0.002, 50, 1e-6
+    epsilon = privacy.epsilon(privacy.zcdp(rho, 10_000), steps, delta, accountant="rdp")
+    total = rho * steps
+    classic = total + 2 * math.sqrt(total * math.log(1 / delta))
+    assert 0.8 * classic <= epsilon <= classic
+
+
+def test_tree_aggregation_composes_epochs_and_a_partial_epoch():
+    mechanism = privacy.tree_aggregation(10.0, steps_per_epoch=64, num_examples=6_400)
+    reference = dpa.rdp.RdpAccountant(None, dpa.NeighboringRelation.REPLACE_SPECIAL)
+    tree = dpa.SingleEpochTreeAggregationDpEvent
+    reference.compose(tree(10.0, 64), 3).compose(tree(10.0, 10))
+    assert privacy.epsilon(
+        mechanism, 3 * 64 + 10, 1e-6, accountant="rdp"
+    ) == pytest.approx(reference.get_epsilon(1e-6), rel=1e-9)
+
+
+@pytest.mark.parametrize("method", privacy.METHODS)
+@pytest.mark.parametrize("target", [0.5, 2.0])
+def test_max_steps_is_the_last_step_within_the_target(method, target):
+    mechanism = privacy.dp_sgd(2.0, 500, 10_000)
+    accountant = privacy.Accountant(mechanism, method)
+    budget = accountant.max_steps(target, 1e-5)
+    fresh = privacy.Accountant(mechanism, method)
+    assert budget >= 1
+    assert fresh.epsilon(1e-5, budget) <= target < fresh.epsilon(1e-5, budget + 1)
+    assert accountant.max_steps(target, 1e-5, limit=budget // 2) == budget // 2
+    assert accountant.max_steps(target, 1e-5, limit=budget + 5) == budget
+
+
+def test_max_steps_is_zero_when_one_step_is_too_many():
+    accountant = privacy.Accountant(privacy.full_batch(0.5, 10_000))
+    assert accountant.max_steps(0.1, 1e-6) == 0
+
+
+@pytest.mark.parametrize(
+    "delta, message",
+    [
+        (0.0, r"in \(0, 1\)"),
+        (1.0, r"in \(0, 1\)"),
+        (-1e-5, r"in \(0, 1\)"),
+        (1e-4, "1/population"),
+        (float("nan"), "finite"),
+        ("1e-5", "finite"),
+    ],
+)
+def test_bad_delta_is_refused_with_the_reason(delta, message):
+    mechanism = privacy.dp_sgd(1.0, 100, 10_000)
+    with pytest.raises(ValueError, match=message):
+        privacy.Accountant(mechanism).epsilon(delta, 10)
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5, True])
+def test_schedules_without_steps_are_refused(steps):
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        privacy.epsilon(privacy.dp_sgd(1.0, 100, 10_000), steps, 1e-6)
+
+
+def test_accountant_refuses_unknown_methods_and_non_mechanisms():
+    with pytest.raises(ValueError, match="pld"):
+        privacy.Accountant(privacy.dp_sgd(1.0, 100, 10_000), "prv")
+    with pytest.raises(TypeError, match="Mechanism"):
+        privacy.Accountant(dpa.GaussianDpEvent(1.0))

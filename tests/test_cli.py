@@ -1,0 +1,230 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kdpemb import cli, privacy
+
+MNIST = ["--num-examples", "60000", "--batch-size", "256", "--delta", "1e-5"]
+
+
+def run_cli(capsys, *args):
+    status = cli.main(list(args))
+    out = capsys.readouterr().out
+    return status, out
+
+
+def test_epsilon_json_has_the_documented_fields_and_matches_the_library(capsys):
+    status, out = run_cli(
+        capsys,
+        "privacy",
+        "epsilon",
+        *MNIST,
+        "--epochs",
+        "60",
+        "--noise-multiplier",
+        "1.1",
+        "--json",
+    )
+    assert status == 0
+    data = json.loads(out)
+    for key in ("epsilon", "delta", "noise_multiplier", "steps", "accountant", "unit"):
+        assert key in data
+    assert (
+        data["steps"] == 14_063
+        and data["unit"] == "example"
+        and data["accountant"] == "pld"
+    )
+    mechanism = privacy.dp_sgd(1.1, 256, 60_000)
+    assert data["epsilon"] == pytest.approx(privacy.epsilon(mechanism, 14_063, 1e-5))
+
+
+def test_user_level_virtual_clients_use_the_replace_one_relation(capsys):
+    status, out = run_cli(
+        capsys,
+        "privacy",
+        "epsilon",
+        "--num-users",
+        "20000",
+        "--clients-per-round",
+        "50",
+        "--users-per-client",
+        "4",
+        "--steps",
+        "500",
+        "--noise-multiplier",
+        "1.0",
+        "--delta",
+        "1e-6",
+        "--json",
+    )
+    data = json.loads(out)
+    assert status == 0 and data["unit"] == "user"
+    assert data["neighboring_relation"] == "replace_one"
+    assert data["sampling_probability"] == pytest.approx(50 / 5000)
+
+
+def test_calibrate_round_trips(capsys):
+    status, out = run_cli(
+        capsys,
+        "privacy",
+        "calibrate",
+        *MNIST,
+        "--steps",
+        "3000",
+        "--target-epsilon",
+        "2",
+        "--accountant",
+        "rdp",
+        "--json",
+    )
+    data = json.loads(out)
+    assert status == 0 and data["target_epsilon"] == 2.0
+    assert 0.99 * 2 <= data["epsilon"] <= 2
+    mechanism = privacy.dp_sgd(data["noise_multiplier"], 256, 60_000)
+    assert privacy.epsilon(mechanism, 3000, 1e-5, accountant="rdp") == pytest.approx(
+        data["epsilon"]
+    )
+
+
+def test_full_batch_and_fixed_sampling(capsys):
+    status, out = run_cli(
+        capsys,
+        "privacy",
+        "epsilon",
+        "--num-examples",
+        "1000",
+        "--sampling",
+        "full-batch",
+        "--epochs",
+        "5",
+        "--noise-multiplier",
+        "10",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    assert status == 0 and json.loads(out)["steps"] == 5
+    status, out = run_cli(
+        capsys,
+        "privacy",
+        "epsilon",
+        *MNIST,
+        "--sampling",
+        "fixed",
+        "--steps",
+        "100",
+        "--noise-multiplier",
+        "1",
+        "--accountant",
+        "rdp",
+        "--json",
+    )
+    assert status == 0 and json.loads(out)["neighboring_relation"] == "replace_one"
+
+
+def test_table_output_is_readable(capsys):
+    status, out = run_cli(
+        capsys,
+        "privacy",
+        "epsilon",
+        *MNIST,
+        "--epochs",
+        "1",
+        "--noise-multiplier",
+        "1.1",
+    )
+    assert status == 0
+    assert "Privacy statement" in out and "ε (epsilon)" in out and "235" in out
+
+
+def epsilon_argv(*extra, noise="1", steps="9", delta="1e-5"):
+    """`privacy epsilon` for 60,000 examples in batches of 256, plus `extra`."""
+    return [
+        *("privacy", "epsilon", "--num-examples", "60000", "--batch-size", "256"),
+        *("--steps", steps, "--noise-multiplier", noise, "--delta", delta),
+        *extra,
+    ]
+
+
+USERS = ("--num-users", "100", "--clients-per-round", "30", "--users-per-client", "5")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (epsilon_argv(delta="1e-3"), "1/population"),
+        (epsilon_argv(steps="0"), "at least 1"),
+        (epsilon_argv("--sampling", "fixed"), "Use accountant='rdp'"),
+        (epsilon_argv("--clients-per-round", "5"), "--clients-per-round is for user"),
+        (epsilon_argv(noise="-1"), "noise_multiplier must be >= 0"),
+        (
+            [
+                "privacy",
+                "epsilon",
+                *USERS,
+                "--steps",
+                "9",
+                "--noise-multiplier",
+                "1",
+                "--delta",
+                "1e-5",
+            ],
+            "more than the 20 virtual clients",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unreachable_target_is_reported(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(
+            [
+                "privacy",
+                "calibrate",
+                "--num-examples",
+                "1000",
+                "--sampling",
+                "full-batch",
+                "--steps",
+                "100000",
+                "--target-epsilon",
+                "0.001",
+                "--delta",
+                "1e-5",
+                "--accountant",
+                "rdp",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "cannot be met" in capsys.readouterr().err
+
+
+def test_the_installed_console_script_and_module_entry_point_work():
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    args = [
+        "privacy",
+        "epsilon",
+        *MNIST,
+        "--steps",
+        "10",
+        "--noise-multiplier",
+        "2",
+        "--json",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "kdpemb", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["steps"] == 10

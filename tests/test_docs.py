@@ -1,0 +1,44 @@
+"""Every docstring example and every Python block of the docs runs."""
+
+import doctest
+import importlib
+import pathlib
+import pkgutil
+import re
+
+import pytest
+
+import kdpemb
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+MODULES = sorted(
+    name
+    for _, name, _ in pkgutil.walk_packages(kdpemb.__path__, "kdpemb.")
+    if not name.endswith("__main__")
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
+    assert result.failed == 0
+
+
+def python_blocks(page):
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    for block in python_blocks(page):
+        exec(compile(block, str(page), "exec"), namespace)
+
+
+def test_every_public_privacy_name_is_documented():
+    page = (ROOT / "docs" / "privacy.md").read_text()
+    missing = [name for name in kdpemb.privacy.__all__ if name not in page]
+    assert missing == []

@@ -1,0 +1,88 @@
+"""`import kdpemb` is cheap, adds no backend, and refuses unsupported backends."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BACKEND_PACKAGES = ("tensorflow", "jax", "torch")
+
+
+def run_python(code, backend=None, keras_home=None):
+    env = dict(os.environ)
+    if backend is None:
+        env.pop("KERAS_BACKEND", None)
+    else:
+        env["KERAS_BACKEND"] = backend
+    if keras_home is not None:
+        env["KERAS_HOME"] = str(keras_home)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+IMPORT_COST = """
+import json, sys, time
+start = time.perf_counter()
+import kdpemb
+elapsed = time.perf_counter() - start
+loaded = sorted(m for m in ("keras", *PACKAGES) if m in sys.modules)
+print(json.dumps([elapsed, loaded]))
+"""
+
+NEW_BACKEND_MODULES = """
+import json, sys
+import keras
+base = set(sys.modules)
+import kdpemb, kdpemb.callbacks, kdpemb.privacy, kdpemb.testing, kdpemb.cli
+new = sorted(m for m in set(sys.modules) - base if m.split(".")[0] in PACKAGES)
+print(json.dumps([keras.backend.backend(), new]))
+"""
+
+
+def last_json_line(result):
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_import_is_quick_and_loads_neither_keras_nor_a_backend():
+    code = IMPORT_COST.replace("PACKAGES", repr(BACKEND_PACKAGES))
+    elapsed, loaded = last_json_line(run_python(code))
+    assert loaded == []
+    assert elapsed < 1.0
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_the_full_api_imports_no_backend_beyond_what_keras_imports(backend):
+    code = NEW_BACKEND_MODULES.replace("PACKAGES", repr(BACKEND_PACKAGES))
+    active, new_backend_modules = last_json_line(run_python(code, backend))
+    assert active == backend
+    assert new_backend_modules == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_unsupported_backends_get_an_error_naming_the_supported_ones(backend):
+    result = run_python("import kdpemb", backend)
+    assert result.returncode != 0
+    assert "UnsupportedBackendError" in result.stderr
+    assert f"set to use '{backend}'" in result.stderr
+    assert "'tensorflow' and 'jax'" in result.stderr
+
+
+def test_the_backend_in_keras_json_is_checked_too(tmp_path):
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
+    result = run_python("import kdpemb", backend=None, keras_home=tmp_path)
+    assert "UnsupportedBackendError" in result.stderr
+    assert "keras.json" in result.stderr
+
+
+def test_version_is_exposed():
+    import kdpemb
+
+    assert kdpemb.__version__.count(".") == 2
