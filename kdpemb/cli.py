@@ -72,7 +72,9 @@ def _add_schedule_arguments(parser):
     how_long.add_argument(
         "--epochs",
         type=float,
-        help="passes over the data (each unit once, in expectation)",
+        help="passes over the data, each example or virtual client once in "
+        "expectation: ceil(epochs / q) steps, q = batch / pool (Keras-style "
+        "shuffled epochs are not what the accountant assumes)",
     )
     how_long.add_argument("--steps", type=int, help="private steps (rounds)")
     parser.add_argument(

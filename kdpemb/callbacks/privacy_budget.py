@@ -53,9 +53,10 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     Attributes:
         epsilon: float. ε after the last completed epoch.
-        step_budget: int or None. Total private steps allowed, when the
-            target binds within this `fit`; None when the planned run stays
-            within the target (or no target is set).
+        step_budget: int or None. Total private steps allowed, once known:
+            set when the target binds within the steps planned for this
+            `fit` (or within more, should training run longer than planned);
+            None while the target is not in reach (or no target is set).
         statement: `PrivacyStatement` at the end of training.
 
     Example:
@@ -117,22 +118,16 @@ class PrivacyBudget(keras.callbacks.Callback):
             )
         self._steps = read_private_steps(self.model)
         self.step_budget = None
+        self._safe_steps = None
         if self.target_epsilon is not None:
-            planned = self._planned_steps()
-            budget = self._accountant.max_steps(
-                self.target_epsilon, self.delta, limit=planned
-            )
-            # A budget equal to the planned run (or to the search limit) does
-            # not bind: this fit ends within the target.
-            if budget < (planned if planned is not None else MAX_SEARCH_STEPS):
-                self.step_budget = budget
-                self._check_budget_left()
+            self._search_budget(limit=self._planned_steps())
+            self._check_budget_left()
 
     def on_epoch_begin(self, epoch, logs=None):
         # The model state is synced here on every backend: trust the variable
         # (a checkpoint may have been restored since on_train_begin).
         self._steps = read_private_steps(self.model)
-        if self.step_budget is not None:
+        if self.target_epsilon is not None:
             self._check_budget_left()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -140,11 +135,12 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         # One call of train_step is one private step (the protocol), and Keras
-        # reports the first and last step index of each execution.
+        # reports the first and last step index of each execution (the last,
+        # even when a final execution is cut short: over-counting is safe).
         self._steps += batch - self._batch_begin + 1
-        if self.step_budget is not None and self._steps + self._execution_size() > (
-            self.step_budget
-        ):
+        if self.target_epsilon is None:
+            return
+        if not self._within_budget(self._steps + self._execution_size()):
             if not self.model.stop_training and self.verbose:
                 print(
                     f"PrivacyBudget: stopping after {self._steps} private steps; "
@@ -163,7 +159,7 @@ class PrivacyBudget(keras.callbacks.Callback):
                 "must add exactly 1 to private_steps per call (see "
                 "kdpemb.privacy.protocol). The step budget cannot be enforced."
             )
-        if steps < self._steps:
+        if steps <= self._steps - self._execution_size():
             warnings.warn(
                 f"{type(self.model).__name__} counted {steps} private steps, "
                 f"fewer than its {self._steps} train steps; ε uses {steps}.",
@@ -201,10 +197,32 @@ class PrivacyBudget(keras.callbacks.Callback):
             return self._steps + epochs * steps_per_epoch
         return None
 
+    def _search_budget(self, limit):
+        """Finds the step budget, looking no further than `limit` steps.
+
+        If the target binds within `limit`, `step_budget` is set. Otherwise
+        all of the first `limit` steps are known to be within the target
+        (`_safe_steps`), and going past them triggers a wider search.
+        """
+        budget = self._accountant.max_steps(
+            self.target_epsilon, self.delta, limit=limit
+        )
+        if budget < (MAX_SEARCH_STEPS if limit is None else limit):
+            self.step_budget = budget
+        self._safe_steps = budget
+
+    def _within_budget(self, total_steps):
+        """Whether `total_steps` private steps in all keep ε within the target."""
+        while self.step_budget is None and total_steps > self._safe_steps:
+            self._search_budget(limit=max(2 * self._safe_steps, total_steps))
+        if self.step_budget is None:
+            return True
+        return total_steps <= self.step_budget
+
     def _check_budget_left(self):
-        remaining = self.step_budget - self._steps
-        if remaining >= self._execution_size():
+        if self._within_budget(self._steps + self._execution_size()):
             return
+        remaining = self.step_budget - self._steps
         epsilon = self._accountant.epsilon(self.delta, self._steps)
         if remaining > 0:
             hint = (

@@ -30,6 +30,42 @@ class UnsupportedMechanismError(ValueError):
     """The chosen accountant cannot express this mechanism and relation."""
 
 
+def _for_rdp(event, relation):
+    """The event as dp-accounting's RDP accountant must see it.
+
+    A `GaussianDpEvent(z)` means noise std z·C where each unit contributes
+    a vector of norm <= C. Under replace-one, a unit's contribution changes
+    by up to 2C. The PLD accountant accounts for that itself (its REPLACE
+    model doubles the sensitivity); the RDP accountant does not: it gives a
+    Gaussian the same RDP under every relation, and its sampling-without-
+    replacement bound takes noise std / (replace-one sensitivity). So under
+    replace-one every Gaussian goes to RDP with multiplier z/2.
+    """
+    if relation != Relation.REPLACE_ONE:
+        return event
+
+    def rewrite(e):
+        if isinstance(e, dpa.GaussianDpEvent):
+            return dpa.GaussianDpEvent(e.noise_multiplier / 2)
+        if isinstance(e, dpa.ComposedDpEvent):
+            return dpa.ComposedDpEvent([rewrite(sub) for sub in e.events])
+        if isinstance(e, dpa.SelfComposedDpEvent):
+            return dpa.SelfComposedDpEvent(rewrite(e.event), e.count)
+        if isinstance(e, dpa.PoissonSampledDpEvent):
+            return dpa.PoissonSampledDpEvent(e.sampling_probability, rewrite(e.event))
+        if isinstance(e, dpa.SampledWithoutReplacementDpEvent):
+            return dpa.SampledWithoutReplacementDpEvent(
+                e.source_dataset_size, e.sample_size, rewrite(e.event)
+            )
+        if isinstance(e, dpa.NoOpDpEvent | dpa.NonPrivateDpEvent | dpa.ZCDpEvent):
+            return e  # zCDP is stated for its relation already.
+        raise UnsupportedMechanismError(
+            f"No rule for {type(e).__name__} under replace-one with RDP."
+        )
+
+    return rewrite(event)
+
+
 def _unsupported_message(mechanism, method, detail):
     relation = mechanism.relation_name
     other = "rdp" if method == "pld" else "pld"
@@ -120,11 +156,12 @@ class Accountant:
 
     def _check_supported(self, rdp_orders, value_discretization_interval):
         relation = self.mechanism.neighboring_relation
+        event = self.mechanism.event(1)
         if self.method == "pld":
             reference = dpa.pld.PLDAccountant(relation, value_discretization_interval)
         else:
             reference = dpa.rdp.RdpAccountant(rdp_orders, relation)
-        event = self.mechanism.event(1)
+            event = _for_rdp(event, relation)
         if reference.supports(event):  # Checks without building anything.
             return
         try:
@@ -219,15 +256,18 @@ class _RdpComposer:
         if step is None:
             self._setup_rdp = self._step_rdp = None
         else:
-            self._setup_rdp = self._fresh().compose(mechanism.setup_event()).rdp
-            self._step_rdp = self._fresh().compose(step).rdp
+            self._setup_rdp = self._compose(mechanism.setup_event())
+            self._step_rdp = self._compose(step)
 
     def _fresh(self):
         return dpa.rdp.RdpAccountant(self._orders_arg, self._relation)
 
+    def _compose(self, event):
+        return self._fresh().compose(_for_rdp(event, self._relation)).rdp
+
     def _rdp(self, steps):
         if self._step_rdp is None:
-            return self._fresh().compose(self._mechanism.event(steps)).rdp
+            return self._compose(self._mechanism.event(steps))
         if steps == 0:
             return self._setup_rdp
         return self._setup_rdp + steps * self._step_rdp

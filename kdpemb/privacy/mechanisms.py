@@ -83,9 +83,11 @@ class GaussianRelease:
 
     Args:
         noise_std: float. Standard deviation of the noise on each coordinate.
-        sensitivity: float. L2 sensitivity of the statistic under the
-            mechanism's neighbouring relation (e.g. `C_x**2` for a Gram matrix
-            of features clipped to norm `C_x`).
+        sensitivity: float. Bound on the L2 norm of one unit's contribution
+            to the statistic (e.g. `C_x**2` for a Gram matrix of features
+            clipped to norm `C_x`): its sensitivity under add/remove. Like
+            dp-accounting's events, the accountant doubles it under
+            replace-one.
         name: str. What is released, for the privacy statement.
 
     Example:
@@ -153,9 +155,7 @@ class Mechanism(abc.ABC):
 
     def event(self, steps):
         """The `DpEvent` of the one-off releases followed by `steps` steps."""
-        steps = int(steps)
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}.")
+        steps = validation.check_steps(steps, minimum=0)
         step = self.step_event()
         if step is None:
             raise NotImplementedError(f"{type(self).__name__} must override event().")
@@ -220,7 +220,9 @@ class SampledGaussian(Mechanism):
     worst case puts the two versions at -C and +C. Treating it as
     add/remove with z would under-report ε; add/remove with z/2 is sound
     but far looser. The user-level guarantee follows because the assignment
-    of a user to a virtual client never depends on other users.
+    of a user to a virtual client never depends on other users. (The RDP
+    accountant is given z/2 under replace-one: unlike PLD it does not
+    double the sensitivity itself; see `kdpemb.privacy.accountant`.)
 
     Args:
         noise_multiplier: float. Noise std divided by the clip norm C.
@@ -277,10 +279,18 @@ class SampledGaussian(Mechanism):
                 "users_per_client > 1 groups users into virtual clients; the "
                 f"unit must be 'user', got {self.unit!r}."
             )
-        if self.population < self.pool_size:
+        if self.users_per_client == 1 and self.pool_size != self.population:
             raise ValueError(
-                f"population ({self.population}) cannot be smaller than the "
-                f"number of sampled units ({self.pool_size})."
+                f"With one unit per sampled element, pool_size ({self.pool_size}) "
+                f"must equal population ({self.population}); group users with "
+                "users_per_client > 1 (see kdpemb.privacy.virtual_clients)."
+            )
+        min_pool = math.ceil(self.population / self.users_per_client)
+        if not min_pool <= self.pool_size <= self.population:
+            raise ValueError(
+                f"{self.population} users in virtual clients of "
+                f"users_per_client={self.users_per_client} make {min_pool} to "
+                f"{self.population} virtual clients; got pool_size={self.pool_size}."
             )
         object.__setattr__(self, "setup", tuple(self.setup))
 
@@ -502,9 +512,7 @@ class TreeAggregation(Mechanism):
     sampling = "tree"
 
     def event(self, steps):
-        steps = int(steps)
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}.")
+        steps = validation.check_steps(steps, minimum=0)
         full_epochs, remainder = divmod(steps, self.steps_per_epoch)
         events = []
         if full_epochs:

@@ -74,8 +74,8 @@ def check_private_model(model):
 def read_private_steps(model):
     """The model's private step count as a Python int.
 
-    On JAX, call it when the model's state is synced (at train, epoch and
-    batch boundaries that Keras syncs: train begin, epoch begin and end).
+    On JAX the model's variables are only synced at train begin and at
+    epoch boundaries; read it there (mid-epoch it may be stale or purged).
     """
     value = model.private_steps
     steps = int(np.asarray(getattr(value, "value", value)))

@@ -9,6 +9,7 @@ import numpy as np
 from keras import ops
 
 from kdpemb import privacy
+from kdpemb.privacy import validation
 
 
 @keras.saving.register_keras_serializable(package="kdpemb.testing")
@@ -47,7 +48,7 @@ class ToyDPRegressor(keras.Model):
         self.num_examples = int(num_examples)
         self.num_features = int(num_features)
         self.noise_multiplier = float(noise_multiplier)
-        self.sampling_probability = float(sampling_probability)
+        self.sampling_probability = validation.check_probability(sampling_probability)
         self.clip_norm = float(clip_norm)
         self.seed = seed
         self.privacy_mechanism()  # Validates the schedule now.

@@ -84,6 +84,52 @@ def test_steps_per_execution_never_overshoots_the_budget():
     assert budget - 4 < steps_of(model) <= budget
 
 
+def endless(x, y):
+    while True:
+        yield x, y
+
+
+def test_the_budget_holds_when_training_runs_longer_than_planned():
+    """Infinite data with steps_per_execution=4 runs 12 steps per 10-step epoch."""
+    model = ToyDPRegressor(N, D, 1.5, 0.1, seed=1)
+    model.compile(optimizer="sgd", steps_per_execution=4)
+    data = toy_regression_data(N, D, 1)
+    target = privacy.Accountant(model.privacy_mechanism()).epsilon(DELTA, 20)
+    model.fit(
+        endless(data.x, data.y),
+        steps_per_epoch=10,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[PrivacyBudget(DELTA, target_epsilon=target, verbose=0)],
+    )
+    assert 16 < steps_of(model) <= 20
+
+
+class RestoreStepCount(keras.callbacks.Callback):
+    """Sets private_steps at train begin, as BackupAndRestore can."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def on_train_begin(self, logs=None):
+        self.model.private_steps.assign(self.steps)
+
+
+def test_the_budget_holds_when_a_later_callback_changes_the_count():
+    model = make_model()
+    target = privacy.Accountant(model.privacy_mechanism()).epsilon(DELTA, 20)
+    callback = PrivacyBudget(DELTA, target_epsilon=target, verbose=0)
+    model.fit(
+        toy_regression_data(N, D, 10),
+        epochs=2,
+        verbose=0,
+        callbacks=[callback, RestoreStepCount(5)],
+    )
+    assert steps_of(model) == 20 == callback.step_budget
+
+
 def test_a_second_fit_continues_the_count_and_refuses_an_exhausted_budget():
     model = make_model()
     data = toy_regression_data(N, D, steps_per_epoch=5)
@@ -250,6 +296,12 @@ def test_a_model_that_breaks_the_one_step_per_batch_protocol_is_caught():
             verbose=0,
             callbacks=[PrivacyBudget(DELTA, verbose=0)],
         )
+
+
+@pytest.mark.parametrize("q", [0.0, 1.5, float("nan")])
+def test_a_sampling_probability_outside_zero_one_is_refused(q):
+    with pytest.raises(ValueError, match="sampling_probability"):
+        ToyDPRegressor(N, D, 1.0, q)
 
 
 @pytest.mark.parametrize(

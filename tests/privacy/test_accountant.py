@@ -159,13 +159,36 @@ def test_pld_refuses_what_dp_accounting_cannot_model_and_rdp_accounts_it():
         assert 0 < privacy.epsilon(mechanism, 100, 1e-6, accountant="rdp") < math.inf
 
 
-def test_fixed_size_sampling_uses_the_replace_one_relation():
+def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
+    """dp-accounting's without-replacement RDP bound takes σ / (2C)."""
     fixed = privacy.dp_sgd(1.0, 256, MNIST, sampling="fixed")
     assert fixed.neighboring_relation == dpa.NeighboringRelation.REPLACE_ONE
     reference = dpa.rdp.RdpAccountant(None, dpa.NeighboringRelation.REPLACE_ONE)
-    reference.compose(fixed.event(500))
+    halved = dpa.SampledWithoutReplacementDpEvent(MNIST, 256, dpa.GaussianDpEvent(0.5))
+    reference.compose(halved, 500)
     assert privacy.epsilon(fixed, 500, 1e-6, accountant="rdp") == pytest.approx(
         reference.get_epsilon(1e-6), rel=1e-9
+    )
+
+
+@pytest.mark.parametrize("method", privacy.METHODS)
+def test_replace_one_full_batch_equals_add_remove_with_half_the_noise(method):
+    """Replacing a unit moves a clipped sum by 2C: a Gaussian of multiplier z/2."""
+    k4 = privacy.virtual_clients(
+        2.0, None, 4_000, users_per_client=4, sampling="full_batch"
+    )
+    add_remove = privacy.full_batch(1.0, 4_000)
+    assert privacy.epsilon(k4, 50, 1e-6, accountant=method) == pytest.approx(
+        privacy.epsilon(add_remove, 50, 1e-6, accountant=method), rel=1e-3
+    )
+
+
+def test_fixed_batches_of_everything_equal_the_replace_one_full_batch():
+    """At q = 1 sampling without replacement is the full batch: same RDP."""
+    everything = privacy.dp_sgd(2.0, 1_000, 1_000, sampling="fixed")
+    add_remove_half_noise = privacy.full_batch(1.0, 1_000)
+    assert privacy.epsilon(everything, 100, 1e-4, accountant="rdp") == pytest.approx(
+        privacy.epsilon(add_remove_half_noise, 100, 1e-4, accountant="rdp"), rel=0.02
     )
 
 

@@ -118,6 +118,20 @@ def test_mechanisms_are_frozen_and_serialisable():
             "Unknown neighbouring",
         ),
         (lambda: privacy.tree_aggregation(1.0, 0, 10), "steps_per_epoch"),
+        (
+            lambda: privacy.SampledGaussian(
+                1.0, "poisson", 10, 100, 10_000, unit="user"
+            ),
+            "must equal population",
+        ),
+        (
+            lambda: privacy.SampledGaussian(
+                1.0, "poisson", 10, 100, 10_000, unit="user", users_per_client=4
+            ),
+            "2500 to 10000",
+        ),
+        (lambda: privacy.dp_sgd(1.0, 10, 100).event(2.5), "integer >= 0"),
+        (lambda: privacy.dp_sgd(1.0, 10, 100).event(True), "integer >= 0"),
     ],
 )
 def test_bad_schedules_fail_when_built_with_the_value_and_the_fix(build, message):
