@@ -157,7 +157,7 @@ USERS = ("--num-users", "100", "--clients-per-round", "30", "--users-per-client"
     [
         (epsilon_argv(delta="1e-3"), "1/population"),
         (epsilon_argv(steps="0"), "at least 1"),
-        (epsilon_argv("--sampling", "fixed"), "Use accountant='rdp'"),
+        (epsilon_argv("--sampling", "fixed"), "--accountant rdp"),
         (epsilon_argv("--clients-per-round", "5"), "--clients-per-round is for user"),
         (epsilon_argv(noise="-1"), "noise_multiplier must be >= 0"),
         (

@@ -91,7 +91,8 @@ def _unsupported_message(mechanism, method, detail):
         reason = f"dp-accounting's RDP accountant cannot express {relation}"
     return (
         f"The {method.upper()} accountant cannot account for this mechanism: "
-        f"{reason}. Use accountant={other!r}. (dp-accounting said: {detail})"
+        f"{reason}. Use the {other.upper()} accountant (accountant={other!r}; "
+        f"on the command line --accountant {other}). (dp-accounting said: {detail})"
     )
 
 

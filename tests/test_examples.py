@@ -1,0 +1,45 @@
+"""The example scripts run and print what their docstrings promise."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(name, *args):
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_privacy_calculator_states_each_documented_schedule():
+    lines = [
+        json.loads(line)
+        for line in run_example("privacy_calculator.py", "--json").splitlines()
+        if line.startswith("{")
+    ]
+    by_name = {line["schedule"]: line for line in lines}
+    mnist = by_name["DP-SGD, MNIST tutorial"]
+    assert mnist["steps"] == 14_063 and mnist["epsilon"] == pytest.approx(
+        2.38, abs=0.01
+    )
+    assert mnist["rdp_epsilon"] <= 3.01  # The tutorial's published RDP value.
+    four = by_name["DP-FedEmb, 4 user(s) per virtual client"]
+    assert four["neighboring_relation"] == "replace_one" and four["unit"] == "user"
+    calibrated = by_name["calibrated for ε = 4"]
+    assert 0.99 * 4 <= calibrated["epsilon"] <= 4
+
+
+def test_privacy_budget_example_stops_within_its_target():
+    out = run_example("privacy_budget_fit.py")
+    assert "PrivacyBudget: stopping after" in out
+    assert "Privacy statement" in out
