@@ -38,8 +38,8 @@ class PrivacyBudget(keras.callbacks.Callback):
     Keras calls callbacks in list order: put `PrivacyBudget` before
     CSVLogger, TensorBoard or EarlyStopping. ε is computed with a cached
     accountant that composes only the steps taken since the last epoch:
-    with PLD about 0.1-0.3 s per epoch at 100,000 steps (RDP: under 1 ms;
-    see `python -m benchmarks accounting`).
+    with PLD about 0.2 s per epoch at 100,000 steps, with RDP about 5 ms
+    (see `python -m benchmarks accounting`).
 
     Args:
         delta: float. The δ at which ε is reported; below 1/population.
