@@ -285,7 +285,7 @@ class SampledGaussian(Mechanism):
                 f"must equal population ({self.population}); group users with "
                 "users_per_client > 1 (see kdpemb.privacy.virtual_clients)."
             )
-        min_pool = math.ceil(self.population / self.users_per_client)
+        min_pool = num_virtual_clients(self.population, self.users_per_client)
         if not min_pool <= self.pool_size <= self.population:
             raise ValueError(
                 f"{self.population} users in virtual clients of "
