@@ -13,7 +13,10 @@ import platform
 import sys
 import time
 
-BENCHMARKS = {"accounting": "benchmarks.accounting"}
+BENCHMARKS = {
+    "accounting": "benchmarks.accounting",
+    "data": "benchmarks.data_pipeline",
+}
 
 
 def machine():

@@ -38,7 +38,11 @@ def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
         exec(compile(block, str(page), "exec"), namespace)
 
 
-def test_every_public_privacy_name_is_documented():
-    page = (ROOT / "docs" / "privacy.md").read_text()
-    missing = [name for name in kdpemb.privacy.__all__ if name not in page]
-    assert missing == []
+@pytest.mark.parametrize(
+    ("module", "page"),
+    [("privacy", "privacy.md"), ("data", "data.md"), ("datasets", "data.md")],
+)
+def test_every_public_name_is_documented(module, page):
+    text = (ROOT / "docs" / page).read_text()
+    names = importlib.import_module(f"kdpemb.{module}").__all__
+    assert [name for name in names if name not in text] == []

@@ -43,3 +43,9 @@ def test_privacy_budget_example_stops_within_its_target():
     out = run_example("privacy_budget_fit.py")
     assert "PrivacyBudget: stopping after" in out
     assert "Privacy statement" in out
+
+
+def test_virtual_clients_example_prints_a_round_and_its_privacy():
+    out = run_example("virtual_clients.py")
+    assert "images: [" in out and "local classes" in out
+    assert "per user" in out and "replace-one" in out

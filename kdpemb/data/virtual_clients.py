@@ -1,0 +1,556 @@
+"""`VirtualClients`: user data as fixed-shape DP-FedEmb training rounds."""
+
+import math
+import numbers
+import secrets
+import threading
+import warnings
+from typing import NamedTuple
+
+import keras
+import numpy as np
+
+from kdpemb import privacy
+from kdpemb.data import assignment, round_size, sources
+from kdpemb.privacy import validation
+
+_SAMPLINGS = ("poisson", "fixed")
+TRUNCATION_TOLERANCE = 1e-9
+
+
+class RoundTruncationError(RuntimeError):
+    """A Poisson round drew more virtual clients than its static bound."""
+
+
+class ReproducibleSamplingWarning(UserWarning):
+    """A fixed seed makes the client sampling predictable (tests only)."""
+
+
+class ClientPlan(NamedTuple):
+    """One sampled virtual client of a round.
+
+    Attributes:
+        users: int array. Indices (into `VirtualClients.user_names`) of the
+            client's users.
+        example_index: int array `[local_steps, batch_size]`. Indices of
+            the examples in each local batch; -1 marks an empty slot.
+    """
+
+    users: np.ndarray
+    example_index: np.ndarray
+
+
+class VirtualClients(keras.utils.PyDataset):
+    """Users grouped into virtual clients and sampled into training rounds.
+
+    Each round (one element, one `train_step` of a DP-FedEmb model):
+
+    1. Every user joins one of P = ceil(N / k) virtual clients through a
+       keyed hash of the user's own id and a fresh per-round salt
+       (`users_per_client=k`; with k = 1 a virtual client is one user). No
+       user's client depends on which other users exist, so removing one
+       user changes one client's content in every round.
+    2. Virtual clients are sampled: Poisson with rate q = M / P (default,
+       what the accountant assumes), or exactly M without replacement
+       (`sampling="fixed"`, which needs the RDP accountant).
+    3. Each sampled client takes up to `max_examples_per_client` of its
+       users' examples without replacement, shared as evenly as possible
+       between its users (a user with more data gets no more weight), and
+       lays them out as `local_steps` batches of `batch_size` (several
+       passes when a client has fewer examples; one batch is never larger
+       than the client's example count, so it holds no repeats).
+    4. Labels are re-indexed to 0..c-1 inside each client (c identities
+       present), so the local head needs c columns, not the global count.
+
+    The element is a dict of arrays with static shapes:
+
+    | key | shape | dtype |
+    |---|---|---|
+    | `images` | `[M_max, local_steps, batch_size, H, W, C]` | as given |
+    | `labels` (local) | `[M_max, local_steps, batch_size]` | int32 |
+    | `global_labels` | `[M_max, local_steps, batch_size]` | int32 |
+    | `example_mask` | `[M_max, local_steps, batch_size]` | bool |
+    | `client_mask` | `[M_max]` | bool |
+    | `num_local_classes` | `[M_max]` | int32 |
+
+    Sampled clients fill the first rows; masked slots hold zeros. M_max is
+    the smallest bound that a Poisson round exceeds with probability at
+    most 1e-9 (`truncation_probability`); a round that would exceed it
+    raises `RoundTruncationError` instead of silently dropping clients.
+    The count depends on no one's data, so the failure reveals nothing.
+
+    It is a `keras.utils.PyDataset`, so it is the `x` of `model.fit` on
+    both backends, prefetched by `workers` threads; `to_tf_dataset()` gives
+    a `tf.data.Dataset` (for `tf.distribute`). Every round is a pure
+    function of the seed and the round number, and successive epochs get
+    fresh rounds.
+
+    The number of virtual clients P (hence the number of users N) is
+    treated as public, as every DP-SGD implementation treats the dataset
+    size in q = B / N.
+
+    Args:
+        images: array `(N, H, W, C)`, a lazy array-like, a `UserImages`, a
+            `tf.data.Dataset` or a `keras.utils.PyDataset` yielding
+            `(images, labels, user_ids)`.
+        labels: int array `(N,)`. Identity of each image. Omit for a
+            `UserImages` or a dataset.
+        user_ids: int or str array `(N,)`. User of each image.
+        clients_per_round: float. M, the expected number of virtual
+            clients per round (exactly M for `sampling="fixed"`).
+        users_per_client: int. k, users per virtual client (on average).
+            Defaults to `1`.
+        sampling: str. `"poisson"` or `"fixed"`. Defaults to `"poisson"`.
+        local_steps: int. Local batches per client per round. Defaults to
+            `1`.
+        batch_size: int. Examples per local batch. Defaults to `32`.
+        max_examples_per_client: int or None. Cap on a client's examples
+            per round, at most `local_steps * batch_size`. Defaults to
+            `local_steps * batch_size`.
+        max_clients_per_round: int or None. M_max; defaults to the bound
+            with overflow probability <= 1e-9 per round.
+        rounds_per_epoch: int or None. Defaults to P / M rounded (one
+            expected pass over the clients).
+        num_classes: int or None. Number of global identities; labels must
+            be below it. Defaults to `max(labels) + 1`.
+        users: sequence or None. Every enrolled user id; users without
+            examples are dropped with a warning. Defaults to the users in
+            `user_ids`.
+        seed: int or None. `None` (default) draws the sampling seed from OS
+            entropy. A fixed seed makes the sampling predictable, which the
+            privacy guarantee does not allow: use it for tests only.
+        workers: int. Threads that prepare rounds ahead of training.
+            Defaults to `2`.
+        max_queue_size: int. Rounds prepared ahead. Defaults to `2`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kdpemb.datasets import synthetic_identities
+    >>> data = synthetic_identities(40, 6, image_size=16, seed=0)
+    >>> clients = VirtualClients(data, clients_per_round=4, users_per_client=2,
+    ...                          local_steps=2, batch_size=4)
+    >>> clients.num_clients, clients.sampling_rate
+    (20, 0.2)
+    >>> element = clients.round(0)
+    >>> element["images"].shape[1:], element["images"].dtype
+    ((2, 4, 16, 16, 3), dtype('uint8'))
+    >>> bool(element["client_mask"].sum() <= clients.max_clients_per_round)
+    True
+    """
+
+    def __init__(
+        self,
+        images,
+        labels=None,
+        user_ids=None,
+        *,
+        clients_per_round,
+        users_per_client=1,
+        sampling="poisson",
+        local_steps=1,
+        batch_size=32,
+        max_examples_per_client=None,
+        max_clients_per_round=None,
+        rounds_per_epoch=None,
+        num_classes=None,
+        users=None,
+        seed=None,
+        workers=2,
+        max_queue_size=2,
+    ):
+        super().__init__(workers=workers, max_queue_size=max_queue_size)
+        images, labels, user_ids, num_classes = sources.read_source(
+            images, labels, user_ids, num_classes=num_classes
+        )
+        self._images = images
+        self._labels = labels
+        self.num_classes = num_classes
+        self.image_shape = tuple(int(d) for d in images.shape[1:])
+        self._index_users(user_ids, users)
+
+        self.users_per_client = validation.check_positive_int(
+            users_per_client, "users_per_client"
+        )
+        if self.users_per_client > self.num_users:
+            raise ValueError(
+                f"users_per_client={users_per_client} is more than the "
+                f"{self.num_users} users in the data. Use at most "
+                f"{self.num_users}, or add users."
+            )
+        if sampling not in _SAMPLINGS:
+            raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}.")
+        self.sampling = sampling
+        self.num_clients = privacy.num_virtual_clients(
+            self.num_users, self.users_per_client
+        )
+        self.clients_per_round = self._check_clients_per_round(clients_per_round)
+        self.sampling_rate = self.clients_per_round / self.num_clients
+        self.local_steps = validation.check_positive_int(local_steps, "local_steps")
+        self.batch_size = validation.check_positive_int(batch_size, "batch_size")
+        self.max_examples_per_client = self._check_cap(max_examples_per_client)
+        self.max_clients_per_round, self.truncation_probability = self._round_bound(
+            max_clients_per_round
+        )
+        if rounds_per_epoch is None:
+            rounds_per_epoch = max(1, round(self.num_clients / self.clients_per_round))
+        self.rounds_per_epoch = validation.check_positive_int(
+            rounds_per_epoch, "rounds_per_epoch"
+        )
+        if seed is None:
+            self._root_seed = secrets.randbits(128)
+        else:
+            warnings.warn(
+                f"VirtualClients(seed={seed!r}) makes the client sampling "
+                "reproducible: anyone who knows the seed knows which users "
+                "took part in each round, and the privacy guarantee assumes "
+                "they do not. Use seed=None for a model you release.",
+                ReproducibleSamplingWarning,
+                stacklevel=2,
+            )
+            if not isinstance(seed, numbers.Integral) or seed < 0:
+                raise ValueError(f"seed must be None or an int >= 0, got {seed!r}.")
+            self._root_seed = int(seed)
+        self._epoch = 0
+        self._epoch_lock = threading.Lock()
+
+    # ----------------------------------------------------------- set-up --
+
+    def _index_users(self, user_ids, roster):
+        names, user_of_example = np.unique(user_ids, return_inverse=True)
+        if roster is not None:
+            roster = np.unique(np.asarray(roster))
+            unknown = np.setdiff1d(names, roster)
+            if unknown.size:
+                raise ValueError(
+                    f"{unknown.size} user id(s) in user_ids are not in `users` "
+                    f"(e.g. {unknown[:3].tolist()}). List every user who has "
+                    "examples in `users`."
+                )
+            empty = roster.size - names.size
+            if empty:
+                warnings.warn(
+                    f"{empty} of {roster.size} users have no examples and "
+                    f"were dropped; {names.size} users remain.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        self.user_names = names
+        self.num_users = int(names.size)
+        self.num_examples = int(user_of_example.size)
+        self._keys = assignment.user_keys(names)
+        self._examples_by_user = np.argsort(user_of_example, kind="stable")
+        counts = np.bincount(user_of_example, minlength=self.num_users)
+        self._user_offsets = np.concatenate([[0], np.cumsum(counts)])
+
+    def _check_clients_per_round(self, value):
+        value = validation.check_positive(value, "clients_per_round")
+        if value > self.num_clients:
+            raise ValueError(
+                f"clients_per_round={value:g} is more than the "
+                f"{self.num_clients} virtual clients that {self.num_users} "
+                f"users make with users_per_client={self.users_per_client}. "
+                f"Use at most {self.num_clients} (q = M / P must be <= 1)."
+            )
+        if self.sampling == "fixed":
+            if value != int(value):
+                raise ValueError(
+                    f"sampling='fixed' takes exactly clients_per_round clients, "
+                    f"which must be a whole number; got {value:g}."
+                )
+            value = int(value)
+        return value
+
+    def _check_cap(self, cap):
+        slots = self.local_steps * self.batch_size
+        if cap is None:
+            return slots
+        cap = validation.check_positive_int(cap, "max_examples_per_client")
+        if cap > slots:
+            raise ValueError(
+                f"max_examples_per_client={cap} is more than the "
+                f"local_steps * batch_size = {slots} examples a client can "
+                f"use in a round. Use at most {slots}, or more local steps."
+            )
+        return cap
+
+    def _round_bound(self, bound):
+        if self.sampling == "fixed":
+            return self.clients_per_round, 0.0
+        if bound is None:
+            bound = round_size.max_clients_per_round(
+                self.num_clients, self.sampling_rate, TRUNCATION_TOLERANCE
+            )
+        bound = validation.check_positive_int(bound, "max_clients_per_round")
+        probability = round_size.overflow_probability(
+            self.num_clients, self.sampling_rate, bound
+        )
+        if probability > TRUNCATION_TOLERANCE:
+            warnings.warn(
+                f"max_clients_per_round={bound}: a round draws more clients "
+                f"with probability {probability:.2g}, and then training stops "
+                "with RoundTruncationError. Leave it as None for a bound "
+                f"with probability <= {TRUNCATION_TOLERANCE:g}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return min(bound, self.num_clients), probability
+
+    # ------------------------------------------------------- properties --
+
+    @property
+    def max_local_classes(self):
+        """Most identities one client can hold in a round (head columns)."""
+        return min(self.max_examples_per_client, self.num_classes)
+
+    @property
+    def element_spec(self):
+        """`{key: (shape, dtype)}` of one round."""
+        m, s, b = self.max_clients_per_round, self.local_steps, self.batch_size
+        grid = (m, s, b)
+        return {
+            "images": ((*grid, *self.image_shape), np.dtype(self._images.dtype)),
+            "labels": (grid, np.dtype(np.int32)),
+            "global_labels": (grid, np.dtype(np.int32)),
+            "example_mask": (grid, np.dtype(bool)),
+            "client_mask": ((m,), np.dtype(bool)),
+            "num_local_classes": ((m,), np.dtype(np.int32)),
+        }
+
+    @property
+    def round_nbytes(self):
+        """Bytes of one round (the prefetch queue holds `max_queue_size`)."""
+        return sum(
+            math.prod(shape) * dtype.itemsize
+            for shape, dtype in self.element_spec.values()
+        )
+
+    def privacy_mechanism(self, noise_multiplier, clip_norm=None):
+        """The `kdpemb.privacy` mechanism of one round with noise z.
+
+        Example:
+
+        >>> import numpy as np
+        >>> clients = VirtualClients(np.zeros((8, 4, 4, 1)), labels=np.arange(8),
+        ...                          user_ids=np.arange(8) // 2,
+        ...                          clients_per_round=2, seed=None)
+        >>> mechanism = clients.privacy_mechanism(1.0, clip_norm=0.1)
+        >>> mechanism.pool_size, mechanism.sample_size, mechanism.unit
+        (4, 2.0, 'user')
+        """
+        return privacy.virtual_clients(
+            noise_multiplier,
+            clients_per_round=self.clients_per_round,
+            num_users=self.num_users,
+            users_per_client=self.users_per_client,
+            sampling=self.sampling,
+            clip_norm=clip_norm,
+        )
+
+    def describe(self):
+        """A few lines on the population, the sampling and one round."""
+        spec = self.element_spec
+        lines = [
+            f"{self.num_examples} examples of {self.num_classes} identities "
+            f"from {self.num_users} users",
+            f"{self.num_clients} virtual clients of ~{self.users_per_client} "
+            f"user(s); {self.sampling} sampling, M = {self.clients_per_round:g} "
+            f"per round (q = {self.sampling_rate:.4g})",
+            f"M_max = {self.max_clients_per_round} client slots "
+            f"(overflow probability {self.truncation_probability:.2g} per round)",
+            f"{self.rounds_per_epoch} rounds per epoch, "
+            f"{self.round_nbytes / 2**20:.1f} MiB per round",
+        ]
+        lines += [
+            f"  {key}: {list(shape)} {dtype}" for key, (shape, dtype) in spec.items()
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (
+            f"VirtualClients(num_users={self.num_users}, "
+            f"num_clients={self.num_clients}, "
+            f"clients_per_round={self.clients_per_round:g}, "
+            f"sampling={self.sampling!r})"
+        )
+
+    # --------------------------------------------------------- sampling --
+
+    def _rng(self, *words):
+        return np.random.default_rng([self._root_seed, *words])
+
+    def plan_round(self, round_index):
+        """The clients of one round: `{client_key: ClientPlan}`.
+
+        The key is the user's key (`assignment.user_keys`) for k = 1 and
+        the client slot for k > 1. Clients without users are left out. The
+        arrays of `round()` are built from this plan.
+        """
+        round_index = validation.check_steps(round_index, "round_index", minimum=0)
+        salts = self._rng(round_index).integers(
+            0, 2**64, size=3, dtype=np.uint64, endpoint=False
+        )
+        assign_salt, sample_salt, _ = (int(s) for s in salts)
+        if self.users_per_client == 1:
+            client_keys = self._keys
+            members = None
+        else:
+            client_keys = np.arange(self.num_clients, dtype=np.uint64)
+            slots = assignment.assign_virtual_clients(
+                self._keys, self.num_clients, assign_salt
+            )
+        if self.sampling == "poisson":
+            chosen = np.flatnonzero(
+                assignment.hash_uniform(client_keys, sample_salt) < self.sampling_rate
+            )
+        else:
+            order = np.argsort(assignment.keyed_hash(client_keys, sample_salt))
+            chosen = np.sort(order[: self.clients_per_round])
+        if chosen.size > self.max_clients_per_round:
+            raise RoundTruncationError(
+                f"Round {round_index} sampled {chosen.size} virtual clients, "
+                f"more than max_clients_per_round={self.max_clients_per_round} "
+                f"(probability {self.truncation_probability:.2g} per round). "
+                "No update was computed from it. Raise max_clients_per_round "
+                "(or leave it None) and resume."
+            )
+        if self.users_per_client == 1:
+            members = {int(client_keys[u]): np.array([u]) for u in chosen}
+        else:
+            in_round = np.flatnonzero(np.isin(slots, chosen))
+            by_slot = in_round[np.argsort(slots[in_round], kind="stable")]
+            bounds = np.searchsorted(slots[by_slot], chosen)
+            groups = np.split(by_slot, bounds[1:])
+            members = {
+                int(slot): users for slot, users in zip(chosen, groups, strict=True)
+            }
+        return {
+            key: self._plan_client(users, self._rng(round_index, key))
+            for key, users in members.items()
+            if users.size
+        }
+
+    def _plan_client(self, users, rng):
+        starts = self._user_offsets[users]
+        counts = self._user_offsets[users + 1] - starts
+        quotas = _even_quotas(
+            counts, min(self.max_examples_per_client, counts.sum()), rng
+        )
+        chosen = np.concatenate(
+            [
+                self._examples_by_user[start + rng.choice(count, quota, replace=False)]
+                for start, count, quota in zip(starts, counts, quotas, strict=True)
+            ]
+        )
+        grid = _layout(chosen, self.local_steps, self.batch_size, rng)
+        return ClientPlan(users=users, example_index=grid)
+
+    def round(self, round_index):
+        """The arrays of one round (see the class docstring)."""
+        plans = self.plan_round(round_index)
+        m, s, b = self.max_clients_per_round, self.local_steps, self.batch_size
+        index = np.full((m, s, b), -1, dtype=np.int64)
+        local = np.zeros((m, s, b), dtype=np.int32)
+        num_local = np.zeros(m, dtype=np.int32)
+        for row, plan in enumerate(plans.values()):
+            grid = plan.example_index
+            index[row] = grid
+            used = grid >= 0
+            classes, local_labels = np.unique(
+                self._labels[grid[used]], return_inverse=True
+            )
+            local[row][used] = local_labels
+            num_local[row] = classes.size
+        example_mask = index >= 0
+        client_mask = np.zeros(m, dtype=bool)
+        client_mask[: len(plans)] = True
+        global_labels = np.where(example_mask, self._labels[np.maximum(index, 0)], 0)
+        return {
+            "images": self._gather(index, example_mask),
+            "labels": local,
+            "global_labels": global_labels.astype(np.int32),
+            "example_mask": example_mask,
+            "client_mask": client_mask,
+            "num_local_classes": num_local,
+        }
+
+    def _gather(self, index, mask):
+        flat_index = index.reshape(-1)
+        flat_mask = mask.reshape(-1)
+        out = np.empty((flat_index.size, *self.image_shape), dtype=self._images.dtype)
+        if isinstance(self._images, np.ndarray):
+            np.take(self._images, np.maximum(flat_index, 0), axis=0, out=out)
+            out[~flat_mask] = 0
+        else:
+            out[...] = 0
+            out[flat_mask] = np.asarray(self._images[flat_index[flat_mask]])
+        return out.reshape(*index.shape, *self.image_shape)
+
+    # ------------------------------------------------ keras.utils.PyDataset --
+
+    def __len__(self):
+        return self.rounds_per_epoch
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.rounds_per_epoch:
+            raise IndexError(
+                f"round {index} is out of range for an epoch of "
+                f"{self.rounds_per_epoch} rounds."
+            )
+        return self.round(self._epoch * self.rounds_per_epoch + index)
+
+    def on_epoch_end(self):
+        with self._epoch_lock:
+            self._epoch += 1
+
+    def to_tf_dataset(self):
+        """The rounds as a prefetched `tf.data.Dataset` of dicts.
+
+        Each iteration is one epoch of fresh rounds, as with the PyDataset.
+        """
+        import tensorflow as tf
+
+        signature = {
+            key: tf.TensorSpec(shape, tf.as_dtype(dtype))
+            for key, (shape, dtype) in self.element_spec.items()
+        }
+
+        def epoch():
+            for index in range(self.rounds_per_epoch):
+                yield self[index]
+            self.on_epoch_end()
+
+        dataset = tf.data.Dataset.from_generator(epoch, output_signature=signature)
+        return dataset.prefetch(self.max_queue_size)
+
+
+def _even_quotas(counts, total, rng):
+    """Splits `total` examples between users as evenly as their counts allow."""
+    quotas = np.zeros_like(counts)
+    remaining = int(total)
+    order = np.argsort(counts, kind="stable")
+    for position, user in enumerate(order):
+        share = min(int(counts[user]), remaining // (len(order) - position))
+        quotas[user] = share
+        remaining -= share
+    while remaining > 0:
+        spare = np.flatnonzero(quotas < counts)
+        extra = rng.choice(spare, min(remaining, spare.size), replace=False)
+        quotas[extra] += 1
+        remaining -= extra.size
+    return quotas
+
+
+def _layout(examples, steps, batch_size, rng):
+    """`[steps, batch_size]` example indices: shuffled passes, -1 = empty."""
+    grid = np.full((steps, batch_size), -1, dtype=np.int64)
+    n = examples.size
+    per_step = min(batch_size, n)
+    order, position = rng.permutation(examples), 0
+    for step in range(steps):
+        if position >= n:
+            order, position = rng.permutation(examples), 0
+        take = min(per_step, n - position)
+        grid[step, :take] = order[position : position + take]
+        position += take
+    return grid
