@@ -2,9 +2,11 @@
 
 A user's virtual client in a round is a keyed hash of that user's id and a
 per-round salt, reduced modulo the number of virtual clients P. It never
-looks at any other user, so adding or removing one user changes the
-content of exactly one virtual client in every round: the property the
-replace-one accounting of `kdpemb.privacy.virtual_clients` relies on. (A
+looks at any other user, so, for a fixed P, adding or removing one user
+changes the content of exactly one virtual client in every round: the
+property the replace-one accounting of `kdpemb.privacy.virtual_clients`
+relies on. P is a public hyperparameter: if it moved with the data (e.g.
+ceil(N / k) when N crosses a multiple of k), everyone would be re-hashed. (A
 shuffle of all users into groups of k would not have it: removing one user
 would shift every later group.)
 

@@ -7,8 +7,10 @@ terms, but a compiled `train_step` needs a fixed number of client slots.
 probability P[Binomial(P, q) > M_max] is at most a tolerance (1e-9 by
 default). A round that would overflow is not truncated (that would change
 the sampling the accountant assumes): `VirtualClients` raises instead.
-The count does not depend on anyone's data, so the failure reveals
-nothing.
+With several users per virtual client the count is over public client
+slots and depends on no one's data. With one user per client it is the
+number of sampled users, so the overflow probability p adds at most
+e^ε · rounds · p to δ, and `VirtualClients` uses a tolerance of 1e-30.
 """
 
 import math
@@ -26,8 +28,10 @@ def _log_pmf(i, n, q):
     )
 
 
-def _upper_tail_terms(n, q, start):
-    """pmf(i) for i = start, start+1, ... until the rest is negligible."""
+def _upper_tail_terms(n, q, start, negligible=1e-300):
+    """pmf(i) for i = start, start+1, ... until the terms fall below
+    `negligible` past the mean (the rest of the tail is then smaller than a
+    geometric series of ratio < 1 starting there)."""
     if start > n:
         return np.zeros(0)
     terms = [math.exp(_log_pmf(start, n, q))]
@@ -36,7 +40,7 @@ def _upper_tail_terms(n, q, start):
     while i < n:
         nxt = terms[-1] * (n - i) / (i + 1) * ratio
         i += 1
-        if nxt < 1e-300 or (nxt < 1e-30 * terms[0] and i > n * q):
+        if nxt == 0.0 or (nxt < negligible and i > n * q):
             break
         terms.append(nxt)
     return np.asarray(terms)
@@ -78,7 +82,7 @@ def max_clients_per_round(num_clients, rate, tolerance=1e-9):
         return int(num_clients)
     mean = num_clients * rate
     start = max(0, math.floor(mean))
-    terms = _upper_tail_terms(num_clients, rate, start)
+    terms = _upper_tail_terms(num_clients, rate, start, negligible=tolerance * 1e-6)
     # tails[j] = P[X >= start + j]; we need the first m >= start with
     # P[X > m] = tails[m - start + 1] <= tolerance.
     tails = np.cumsum(terms[::-1])[::-1]

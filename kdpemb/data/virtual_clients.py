@@ -15,7 +15,15 @@ from kdpemb.data import assignment, round_size, sources
 from kdpemb.privacy import validation
 
 _SAMPLINGS = ("poisson", "fixed")
-TRUNCATION_TOLERANCE = 1e-9
+# Largest overflow probability of a Poisson round's default bound M_max. For
+# k > 1 the count of sampled slots depends on no one's data (P is public),
+# so 1e-9 only makes a failed run rare. For k = 1 the count is the number of
+# sampled users, so whether a round overflows depends on who is present and
+# adds up to e^ε · rounds · p to δ: 1e-30 keeps that below 1e-10 for any
+# ε <= 25 and up to 10^9 rounds.
+TRUNCATION_TOLERANCE = {"independent of data": 1e-9, "data dependent": 1e-30}
+_ROUND_STREAM, _CLIENT_STREAM = 1, 2
+_MAX_SEED = 2**128
 
 
 class RoundTruncationError(RuntimeError):
@@ -45,14 +53,16 @@ class VirtualClients(keras.utils.PyDataset):
 
     Each round (one element, one `train_step` of a DP-FedEmb model):
 
-    1. Every user joins one of P = ceil(N / k) virtual clients through a
-       keyed hash of the user's own id and a fresh per-round salt
-       (`users_per_client=k`; with k = 1 a virtual client is one user). No
-       user's client depends on which other users exist, so removing one
-       user changes one client's content in every round.
+    1. Every user joins one of P = ceil(N / k) virtual clients (or
+       `num_clients`) through a keyed hash of the user's own id and a fresh
+       per-round salt (`users_per_client=k`; with k = 1 a virtual client
+       is one user). No user's client depends on which other users exist,
+       so, with P fixed, removing one user changes one client's content in
+       every round.
     2. Virtual clients are sampled: Poisson with rate q = M / P (default,
        what the accountant assumes), or exactly M without replacement
-       (`sampling="fixed"`, which needs the RDP accountant).
+       (`sampling="fixed"`, which needs the RDP accountant; slots that
+       hold no user then leave their rows empty).
     3. Each sampled client takes up to `max_examples_per_client` of its
        users' examples without replacement, shared as evenly as possible
        between its users (a user with more data gets no more weight), and
@@ -75,9 +85,11 @@ class VirtualClients(keras.utils.PyDataset):
 
     Sampled clients fill the first rows; masked slots hold zeros. M_max is
     the smallest bound that a Poisson round exceeds with probability at
-    most 1e-9 (`truncation_probability`); a round that would exceed it
-    raises `RoundTruncationError` instead of silently dropping clients.
-    The count depends on no one's data, so the failure reveals nothing.
+    most 1e-9 for k > 1 (the count of sampled slots depends on no one's
+    data) and 1e-30 for k = 1 (the count of sampled users does, adding at
+    most e^ε · rounds · p to δ); see `truncation_probability`. A round
+    that would exceed it raises `RoundTruncationError` instead of silently
+    dropping clients.
 
     It is a `keras.utils.PyDataset`, so it is the `x` of `model.fit` on
     both backends, prefetched by `workers` threads; `to_tf_dataset()` gives
@@ -85,9 +97,10 @@ class VirtualClients(keras.utils.PyDataset):
     function of the seed and the round number, and successive epochs get
     fresh rounds.
 
-    The number of virtual clients P (hence the number of users N) is
-    treated as public, as every DP-SGD implementation treats the dataset
-    size in q = B / N.
+    The number of virtual clients P and the rate q are public
+    hyperparameters. By default P derives from the number of users N,
+    which treats N as public (as DP-SGD's q = B / N does); pass
+    `num_clients` to fix P from a public count.
 
     Args:
         images: array `(N, H, W, C)`, a lazy array-like, a `UserImages`, a
@@ -109,8 +122,15 @@ class VirtualClients(keras.utils.PyDataset):
             `local_steps * batch_size`.
         max_clients_per_round: int or None. M_max; defaults to the bound
             with overflow probability <= 1e-9 per round.
-        rounds_per_epoch: int or None. Defaults to P / M rounded (one
-            expected pass over the clients).
+        rounds_per_epoch: int or None. Defaults to floor(P / M) (about one
+            expected pass over the clients; never more rounds per epoch
+            than `privacy_mechanism().steps_for_epochs` counts).
+        num_clients: int or None. P, the number of virtual clients, for
+            k > 1. Defaults to ceil(N / k) for the N users in the data. P
+            must not depend on the data for the one-client-changes
+            argument to hold exactly: pass a public count (e.g. from the
+            number of enrolled users) to fix it; the default treats N as
+            public, as DP-SGD's q = B / N does.
         num_classes: int or None. Number of global identities; labels must
             be below it. Defaults to `max(labels) + 1`.
         users: sequence or None. Every enrolled user id; users without
@@ -153,6 +173,7 @@ class VirtualClients(keras.utils.PyDataset):
         max_examples_per_client=None,
         max_clients_per_round=None,
         rounds_per_epoch=None,
+        num_clients=None,
         num_classes=None,
         users=None,
         seed=None,
@@ -181,9 +202,7 @@ class VirtualClients(keras.utils.PyDataset):
         if sampling not in _SAMPLINGS:
             raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}.")
         self.sampling = sampling
-        self.num_clients = privacy.num_virtual_clients(
-            self.num_users, self.users_per_client
-        )
+        self.num_clients = self._check_num_clients(num_clients)
         self.clients_per_round = self._check_clients_per_round(clients_per_round)
         self.sampling_rate = self.clients_per_round / self.num_clients
         self.local_steps = validation.check_positive_int(local_steps, "local_steps")
@@ -193,13 +212,23 @@ class VirtualClients(keras.utils.PyDataset):
             max_clients_per_round
         )
         if rounds_per_epoch is None:
-            rounds_per_epoch = max(1, round(self.num_clients / self.clients_per_round))
+            rounds_per_epoch = max(
+                1, math.floor(self.num_clients / self.clients_per_round)
+            )
         self.rounds_per_epoch = validation.check_positive_int(
             rounds_per_epoch, "rounds_per_epoch"
         )
         if seed is None:
             self._root_seed = secrets.randbits(128)
         else:
+            if (
+                not isinstance(seed, numbers.Integral)
+                or isinstance(seed, bool)
+                or not 0 <= seed < _MAX_SEED
+            ):
+                raise ValueError(
+                    f"seed must be None or an int in [0, 2**128), got {seed!r}."
+                )
             warnings.warn(
                 f"VirtualClients(seed={seed!r}) makes the client sampling "
                 "reproducible: anyone who knows the seed knows which users "
@@ -208,16 +237,24 @@ class VirtualClients(keras.utils.PyDataset):
                 ReproducibleSamplingWarning,
                 stacklevel=2,
             )
-            if not isinstance(seed, numbers.Integral) or seed < 0:
-                raise ValueError(f"seed must be None or an int >= 0, got {seed!r}.")
             self._root_seed = int(seed)
-        self._epoch = 0
+        # Every pass over the rounds (a Keras epoch, an iteration of the
+        # PyDataset or of `to_tf_dataset()`) claims an epoch number never
+        # used before, so no round is ever served for training twice.
         self._epoch_lock = threading.Lock()
+        self._epochs_claimed = 0
+        self._epoch = self._claim_epoch()
 
     # ----------------------------------------------------------- set-up --
 
     def _index_users(self, user_ids, roster):
-        names, user_of_example = np.unique(user_ids, return_inverse=True)
+        try:
+            names, user_of_example = np.unique(user_ids, return_inverse=True)
+        except TypeError:
+            raise ValueError(
+                "user_ids mix types that cannot be ordered (e.g. ints and "
+                "strings); use one type, e.g. str(user) for every id."
+            ) from None
         if roster is not None:
             roster = np.unique(np.asarray(roster))
             unknown = np.setdiff1d(names, roster)
@@ -239,9 +276,35 @@ class VirtualClients(keras.utils.PyDataset):
         self.num_users = int(names.size)
         self.num_examples = int(user_of_example.size)
         self._keys = assignment.user_keys(names)
+        if np.unique(self._keys).size != self._keys.size:
+            raise ValueError(
+                "Two user ids share a 64-bit key (a BLAKE2b collision of "
+                "string ids); they would share a virtual client. Rename one "
+                "user or use integer ids."
+            )
         self._examples_by_user = np.argsort(user_of_example, kind="stable")
         counts = np.bincount(user_of_example, minlength=self.num_users)
         self._user_offsets = np.concatenate([[0], np.cumsum(counts)])
+
+    def _check_num_clients(self, value):
+        k = self.users_per_client
+        if value is None:
+            return privacy.num_virtual_clients(self.num_users, k)
+        value = validation.check_positive_int(value, "num_clients")
+        if k == 1 and value != self.num_users:
+            raise ValueError(
+                f"num_clients={value}: with users_per_client=1 every user is "
+                f"their own virtual client, so num_clients is the number of "
+                f"users ({self.num_users}). Leave it None."
+            )
+        low = privacy.num_virtual_clients(self.num_users, k)
+        if not low <= value <= self.num_users:
+            raise ValueError(
+                f"num_clients={value} must be between ceil(N / k) = {low} and "
+                f"N = {self.num_users} for {self.num_users} users with "
+                f"users_per_client={k}."
+            )
+        return value
 
     def _check_clients_per_round(self, value):
         value = validation.check_positive(value, "clients_per_round")
@@ -274,23 +337,43 @@ class VirtualClients(keras.utils.PyDataset):
             )
         return cap
 
+    @property
+    def _truncation_tolerance(self):
+        if self.users_per_client == 1:
+            return TRUNCATION_TOLERANCE["data dependent"]
+        return TRUNCATION_TOLERANCE["independent of data"]
+
     def _round_bound(self, bound):
         if self.sampling == "fixed":
+            if bound is not None and bound != self.clients_per_round:
+                raise ValueError(
+                    f"max_clients_per_round={bound}: sampling='fixed' takes "
+                    f"exactly clients_per_round={self.clients_per_round} slots. "
+                    "Leave it None."
+                )
             return self.clients_per_round, 0.0
+        tolerance = self._truncation_tolerance
         if bound is None:
             bound = round_size.max_clients_per_round(
-                self.num_clients, self.sampling_rate, TRUNCATION_TOLERANCE
+                self.num_clients, self.sampling_rate, tolerance
             )
         bound = validation.check_positive_int(bound, "max_clients_per_round")
         probability = round_size.overflow_probability(
             self.num_clients, self.sampling_rate, bound
         )
-        if probability > TRUNCATION_TOLERANCE:
+        if probability > tolerance:
+            extra = (
+                " With users_per_client=1 whether a round overflows depends on "
+                "who is present: it adds up to e^ε · rounds · "
+                f"{probability:.2g} to δ."
+                if self.users_per_client == 1
+                else ""
+            )
             warnings.warn(
                 f"max_clients_per_round={bound}: a round draws more clients "
                 f"with probability {probability:.2g}, and then training stops "
                 "with RoundTruncationError. Leave it as None for a bound "
-                f"with probability <= {TRUNCATION_TOLERANCE:g}.",
+                f"with probability <= {tolerance:g}." + extra,
                 UserWarning,
                 stacklevel=3,
             )
@@ -345,6 +428,7 @@ class VirtualClients(keras.utils.PyDataset):
             users_per_client=self.users_per_client,
             sampling=self.sampling,
             clip_norm=clip_norm,
+            num_clients=self.num_clients,
         )
 
     def describe(self):
@@ -376,8 +460,13 @@ class VirtualClients(keras.utils.PyDataset):
 
     # --------------------------------------------------------- sampling --
 
-    def _rng(self, *words):
-        return np.random.default_rng([self._root_seed, *words])
+    def _rng(self, stream, round_index, key=0):
+        # Fixed-width words after a 128-bit root: no two (stream, round,
+        # key) triples share a random stream.
+        words = (stream, *_words64(round_index), *_words64(key))
+        return np.random.default_rng(
+            np.random.SeedSequence(self._root_seed, spawn_key=words)
+        )
 
     def plan_round(self, round_index):
         """The clients of one round: `{client_key: ClientPlan}`.
@@ -387,7 +476,7 @@ class VirtualClients(keras.utils.PyDataset):
         arrays of `round()` are built from this plan.
         """
         round_index = validation.check_steps(round_index, "round_index", minimum=0)
-        salts = self._rng(round_index).integers(
+        salts = self._rng(_ROUND_STREAM, round_index).integers(
             0, 2**64, size=3, dtype=np.uint64, endpoint=False
         )
         assign_salt, sample_salt, _ = (int(s) for s in salts)
@@ -416,6 +505,8 @@ class VirtualClients(keras.utils.PyDataset):
             )
         if self.users_per_client == 1:
             members = {int(client_keys[u]): np.array([u]) for u in chosen}
+        elif chosen.size == 0:
+            members = {}
         else:
             in_round = np.flatnonzero(np.isin(slots, chosen))
             by_slot = in_round[np.argsort(slots[in_round], kind="stable")]
@@ -425,7 +516,7 @@ class VirtualClients(keras.utils.PyDataset):
                 int(slot): users for slot, users in zip(chosen, groups, strict=True)
             }
         return {
-            key: self._plan_client(users, self._rng(round_index, key))
+            key: self._plan_client(users, self._rng(_CLIENT_STREAM, round_index, key))
             for key, users in members.items()
             if users.size
         }
@@ -491,22 +582,37 @@ class VirtualClients(keras.utils.PyDataset):
     def __len__(self):
         return self.rounds_per_epoch
 
-    def __getitem__(self, index):
+    def _claim_epoch(self):
+        with self._epoch_lock:
+            self._epochs_claimed += 1
+            return self._epochs_claimed - 1
+
+    def _epoch_round(self, epoch, index):
         if not 0 <= index < self.rounds_per_epoch:
             raise IndexError(
                 f"round {index} is out of range for an epoch of "
                 f"{self.rounds_per_epoch} rounds."
             )
-        return self.round(self._epoch * self.rounds_per_epoch + index)
+        return self.round(epoch * self.rounds_per_epoch + index)
+
+    def __getitem__(self, index):
+        """Round `index` of the current Keras epoch (same index, same round)."""
+        return self._epoch_round(self._epoch, index)
+
+    def __iter__(self):
+        """One epoch of rounds that no earlier pass has served."""
+        epoch = self._claim_epoch()
+        for index in range(self.rounds_per_epoch):
+            yield self._epoch_round(epoch, index)
 
     def on_epoch_end(self):
-        with self._epoch_lock:
-            self._epoch += 1
+        self._epoch = self._claim_epoch()
 
     def to_tf_dataset(self):
         """The rounds as a prefetched `tf.data.Dataset` of dicts.
 
-        Each iteration is one epoch of fresh rounds, as with the PyDataset.
+        Each iteration is one epoch of rounds that no earlier pass (even an
+        interrupted one) has served.
         """
         import tensorflow as tf
 
@@ -516,11 +622,12 @@ class VirtualClients(keras.utils.PyDataset):
         }
 
         def epoch():
-            for index in range(self.rounds_per_epoch):
-                yield self[index]
-            self.on_epoch_end()
+            yield from iter(self)
 
         dataset = tf.data.Dataset.from_generator(epoch, output_signature=signature)
+        dataset = dataset.apply(
+            tf.data.experimental.assert_cardinality(self.rounds_per_epoch)
+        )
         return dataset.prefetch(self.max_queue_size)
 
 
@@ -554,3 +661,8 @@ def _layout(examples, steps, batch_size, rng):
         grid[step, :take] = order[position : position + take]
         position += take
     return grid
+
+
+def _words64(value):
+    value = int(value)
+    return value & 0xFFFFFFFF, value >> 32

@@ -604,6 +604,7 @@ def virtual_clients(
     users_per_client=1,
     sampling="poisson",
     clip_norm=None,
+    num_clients=None,
 ):
     """User-level DP-FedEmb / DP-FedAvg rounds over virtual clients.
 
@@ -620,6 +621,9 @@ def virtual_clients(
         users_per_client: int. Users per virtual client k. Defaults to 1.
         sampling: str. "poisson" (default), "full_batch" or "fixed".
         clip_norm: float or None. C, for the statement.
+        num_clients: int or None. P, the number of virtual clients, when it
+            is fixed from a public count (k > 1). Defaults to
+            `ceil(num_users / users_per_client)`.
 
     Example:
 
@@ -629,6 +633,8 @@ def virtual_clients(
     (2500, 'replace_one')
     """
     pool = num_virtual_clients(num_users, users_per_client)
+    if num_clients is not None:
+        pool = validation.check_positive_int(num_clients, "num_clients")
     if sampling == "full_batch":
         clients_per_round = pool if clients_per_round is None else clients_per_round
     clients_per_round = validation.check_positive(

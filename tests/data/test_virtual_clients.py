@@ -104,6 +104,30 @@ def test_removing_one_user_changes_at_most_one_client_per_round(
     assert rounds_with_removed_user > 0  # The check above was not vacuous.
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_public_num_clients_keeps_the_property_when_ceil_n_over_k_moves(seed):
+    # N = 3P + 1 users: removing one makes ceil(N / 3) drop from P + 1 to P,
+    # which would re-hash everyone. A public num_clients fixes P.
+    users_per_client, num_clients = 3, 9
+    images, labels, user_ids = population(3 * num_clients + 1, seed)
+    removed = np.unique(user_ids)[seed]
+    smaller = without_user(images, labels, user_ids, removed)
+    kwargs = dict(
+        clients_per_round=3.5, users_per_client=users_per_client, batch_size=3,
+        seed=seed,
+    )  # fmt: skip
+    default_full = VirtualClients(images, labels, user_ids, **kwargs)
+    default_small = VirtualClients(*smaller, **kwargs)
+    assert default_full.num_clients != default_small.num_clients  # The hazard.
+    full = VirtualClients(images, labels, user_ids, num_clients=10, **kwargs)
+    small = VirtualClients(*smaller, num_clients=10, **kwargs)
+    assert full.privacy_mechanism(1.0).pool_size == 10
+    for round_index in range(40):
+        a = client_contents(full, round_index, images[:, 0, 0, 0])
+        b = client_contents(small, round_index, smaller[0][:, 0, 0, 0])
+        assert len(changed_clients(a, b)) <= 1
+
+
 def test_replacing_one_users_data_changes_one_client_with_fixed_sampling():
     images, labels, user_ids = population(30, seed=4)
     target = user_ids[0]
@@ -187,6 +211,40 @@ def test_poisson_rounds_have_mean_m_clients():
     assert stats.chi2.sf(chi2, keep.sum() - 1) > 1e-3
 
 
+def test_each_user_is_sampled_independently_with_rate_q():
+    images, labels, user_ids = population(40, seed=1, max_examples=1)
+    clients = VirtualClients(
+        images, labels, user_ids, clients_per_round=8, batch_size=1, seed=12
+    )
+    names = list(clients.user_names)
+    taken = np.zeros((2000, 40), dtype=bool)
+    for r in range(taken.shape[0]):
+        for plan in clients.plan_round(r).values():
+            taken[r, names.index(clients.user_names[plan.users[0]])] = True
+    q = 0.2
+    # Each user's rate is q: a chi-square test over users.
+    counts = taken.sum(axis=0)
+    chi2 = ((counts - q * 2000) ** 2 / (q * (1 - q) * 2000)).sum()
+    assert stats.chi2.sf(chi2, 40) > 1e-3
+    # No two users move together: every pairwise correlation is small.
+    corr = np.corrcoef(taken.T.astype(float))
+    off_diagonal = np.abs(corr[~np.eye(40, dtype=bool)])
+    assert off_diagonal.max() < 5 / np.sqrt(2000)
+
+
+@pytest.mark.parametrize("users_per_client", [1, 3])
+def test_a_round_without_clients_is_all_masked(users_per_client):
+    images, labels, user_ids = population(30, seed=4)
+    clients = VirtualClients(
+        images, labels, user_ids, clients_per_round=0.05,
+        users_per_client=users_per_client, batch_size=2, seed=0,
+    )  # fmt: skip
+    empty = [r for r in range(40) if not clients.plan_round(r)]
+    assert empty  # Most rounds sample nobody at q = 0.05 / P.
+    element = clients.round(empty[0])
+    assert not element["client_mask"].any() and not element["example_mask"].any()
+
+
 def test_fixed_sampling_takes_exactly_m_clients():
     images, labels, user_ids = population(50, seed=2)
     clients = VirtualClients(
@@ -207,6 +265,19 @@ def test_round_bound_is_the_smallest_with_overflow_below_1e_9(num_clients, rate)
     assert overflow_probability(num_clients, rate, bound) == pytest.approx(
         stats.binom.sf(bound, num_clients, rate), rel=1e-6, abs=1e-300
     )
+
+
+def test_a_data_dependent_round_count_gets_a_far_smaller_overflow_bound():
+    images, labels, user_ids = population(600, seed=3)
+    single = VirtualClients(images, labels, user_ids, clients_per_round=16)
+    grouped = VirtualClients(
+        images, labels, user_ids, clients_per_round=16, users_per_client=2
+    )
+    # k = 1: the count is the number of sampled users (depends on who is
+    # present), so its overflow must be negligible next to δ.
+    assert single.truncation_probability <= 1e-30
+    assert 1e-30 < grouped.truncation_probability <= 1e-9
+    assert single.max_clients_per_round > grouped.max_clients_per_round
 
 
 def test_full_participation_needs_no_bound():
@@ -486,6 +557,11 @@ def test_bad_arrays_are_refused_with_a_message(change, message):
         (dict(clients_per_round=2, max_examples_per_client=33), "at most 32"),
         (dict(clients_per_round=2, local_steps=0), "local_steps"),
         (dict(clients_per_round=2, seed=-1), "seed must be None"),
+        (dict(clients_per_round=2, seed=True), "seed must be None"),
+        (dict(clients_per_round=2, seed=2**128), "seed must be None"),
+        (dict(clients_per_round=2, sampling="fixed", max_clients_per_round=3), "fixed"),
+        (dict(clients_per_round=2, num_clients=9), "every user is their own"),
+        (dict(clients_per_round=2, users_per_client=2, num_clients=4), "between"),
     ],
 )
 def test_bad_settings_are_refused_with_a_message(kwargs, message):
@@ -494,6 +570,32 @@ def test_bad_settings_are_refused_with_a_message(kwargs, message):
         return
     with pytest.raises(ValueError, match=message):
         VirtualClients(*good_arrays(), **kwargs)
+
+
+def test_user_ids_of_mixed_types_are_refused():
+    images, labels, _ = good_arrays()
+    mixed = np.array([1, "a"] * (len(labels) // 2) + [1] * (len(labels) % 2), object)
+    with pytest.raises(ValueError, match="one type"):
+        VirtualClients(images, labels, mixed, clients_per_round=1)
+
+
+def test_random_streams_of_rounds_and_clients_never_coincide():
+    clients, _ = make_clients(seed=0)
+    draw = lambda *words: clients._rng(*words).integers(2**63, size=4).tolist()  # noqa: E731
+    streams = [draw(1, 0), draw(2, 0, 0), draw(1, 2**32), draw(1, 0, 1), draw(2, 1)]
+    assert len({tuple(s) for s in streams}) == len(streams)
+
+
+def test_an_epoch_never_runs_more_rounds_than_the_accountant_counts():
+    for m, users_per_client in [(16, 4), (7, 1), (3.5, 2), (40, 1)]:
+        images, labels, user_ids = population(300, seed=2)
+        clients = VirtualClients(
+            images, labels, user_ids, clients_per_round=m,
+            users_per_client=users_per_client,
+        )  # fmt: skip
+        mechanism = clients.privacy_mechanism(1.0)
+        for epochs in (1, 3, 10):
+            assert epochs * len(clients) <= mechanism.steps_for_epochs(epochs)
 
 
 def test_enrolled_users_without_examples_are_dropped_with_a_count():
@@ -538,7 +640,39 @@ def test_rounds_feed_model_fit_on_this_backend():
     history = model.fit(clients, epochs=3, verbose=0)
     assert len(history.history["loss"]) == 3
     assert history.history["loss"][-1] < history.history["loss"][0]
-    assert clients._epoch >= 3  # Each epoch moved on to fresh rounds.
+
+
+def test_fit_never_trains_on_the_same_round_twice():
+    images, labels, user_ids = population(40, seed=10)
+    clients = VirtualClients(
+        images / images.max(), labels, user_ids, clients_per_round=5,
+        batch_size=3, rounds_per_epoch=3,
+    )  # fmt: skip
+    served = []
+    build = clients.round
+    clients.round = lambda r: served.append(r) or build(r)
+    model = RoundConsumer()
+    model.compile(optimizer=keras.optimizers.SGD(0.5))
+    model.fit(clients, epochs=3, verbose=0)
+    model.fit(clients, epochs=2, verbose=0)
+    # TensorFlow builds two rounds up front to learn the element's shape and
+    # then trains on them again; anything else served twice would be reuse.
+    repeats = len(served) - len(set(served))
+    assert repeats <= 2 * (keras.backend.backend() == "tensorflow") * 2
+    assert len(set(served)) >= 5 * 3
+
+
+def test_no_pass_replays_rounds_of_an_earlier_pass_even_if_interrupted():
+    clients, _ = make_clients(rounds_per_epoch=3)
+    seen = []
+    for element in clients:  # Interrupted after one round.
+        seen.append(element["images"])
+        break
+    seen += [element["images"] for element in clients]
+    seen += [element["images"] for element in clients]
+    for i in range(len(seen)):
+        for j in range(i):
+            assert not np.array_equal(seen[i], seen[j])
 
 
 def test_to_tf_dataset_yields_the_same_rounds_and_fresh_epochs():
@@ -546,13 +680,17 @@ def test_to_tf_dataset_yields_the_same_rounds_and_fresh_epochs():
     clients, _ = make_clients(rounds_per_epoch=2)
     twin, _ = make_clients(rounds_per_epoch=2)
     dataset = clients.to_tf_dataset()
-    for epoch in range(2):
+    for epoch in range(1, 3):  # Epoch 0 is the Keras epoch of `clients[i]`.
         elements = list(dataset.as_numpy_iterator())
         assert len(elements) == 2
         for index, element in enumerate(elements):
             expected = twin.round(epoch * 2 + index)
             for key in expected:
                 np.testing.assert_array_equal(element[key], expected[key])
+    # An interrupted pass (take) is not replayed by the next one.
+    first = next(dataset.take(1).as_numpy_iterator())["images"]
+    again = next(dataset.take(1).as_numpy_iterator())["images"]
+    assert not np.array_equal(first, again)
     model = RoundConsumer(scale=1 / 400)
     model.compile(optimizer=keras.optimizers.SGD(0.5))
     history = model.fit(dataset, epochs=2, verbose=0, shuffle=False)
