@@ -16,6 +16,7 @@ import time
 BENCHMARKS = {
     "accounting": "benchmarks.accounting",
     "data": "benchmarks.data_pipeline",
+    "verification": "benchmarks.verification",
 }
 
 

@@ -19,7 +19,16 @@ from kdpemb.version import __version__
 
 check_supported_backend()
 
-_SUBMODULES = ("callbacks", "cli", "data", "datasets", "privacy", "testing")
+_SUBMODULES = (
+    "callbacks",
+    "cli",
+    "data",
+    "datasets",
+    "metrics",
+    "plots",
+    "privacy",
+    "testing",
+)
 
 __all__ = ["__version__", *_SUBMODULES]
 

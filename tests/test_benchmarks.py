@@ -28,3 +28,11 @@ def test_data_pipeline_benchmark_reports_production_against_consumption(capsys):
         "produced (workers) / consumed",
         "end to end / consumed",
     }
+
+
+def test_verification_benchmark_reports_time_and_memory_ratios(capsys):
+    assert runner.main(["verification", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["verification"]
+    for value in [*result["figures"].values(), *result["ratios"].values()]:
+        assert math.isfinite(value) and value > 0
+    assert any("matmul-only" in key for key in result["ratios"])

@@ -1,0 +1,128 @@
+"""`RecallAtFAR` callback: verification quality on held-out identities."""
+
+import keras
+import numpy as np
+
+from kdpemb.datasets.user_images import UserImages
+from kdpemb.metrics import verification
+from kdpemb.metrics.recall_at_far_metric import far_key
+
+
+class RecallAtFAR(keras.callbacks.Callback):
+    """Writes Recall@FAR on held-out identities into the epoch logs.
+
+    At the end of every `every_n_epochs`-th epoch it embeds `data` with the
+    backbone (`model.backbone` when the model has one, such as a kdpemb
+    federated model, else the model itself), computes the ROC over all
+    pairs once, and writes one key per FAR, e.g. `recall@far=1e-03`, into
+    the logs, where `History`, `CSVLogger`, `TensorBoard` and
+    `EarlyStopping(monitor="recall@far=1e-03", mode="max")` see it (place
+    it before them in `callbacks`). On other epochs the keys are absent.
+    `last_roc` holds the latest `(far, tar, thresholds)` for plotting.
+
+    The held-out identities must not be training identities: this measures
+    how the embedding generalises to people it never saw.
+
+    Args:
+        data: `(images, labels)`, a `UserImages`, or a `tf.data.Dataset` /
+            `keras.utils.PyDataset` yielding `(images, labels)` batches.
+        far: float or sequence of floats. FARs to report. Defaults to
+            `(1e-3, 1e-2)`.
+        every_n_epochs: int. Defaults to `1`.
+        backbone: `keras.Model` or None. The embedding model. Defaults to
+            `model.backbone`, or the model.
+        batch_size: int. Batch size of `predict`. Defaults to `256`.
+        pairs: str. `"all"` or `"in_batch"`. Defaults to `"all"`.
+        verbose: int. 1 prints the values each time. Defaults to `0`.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> images = rng.normal(size=(60, 8)).astype("float32")
+    >>> labels = np.repeat(np.arange(12), 5)
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    >>> model.compile(loss="mse", optimizer="sgd")
+    >>> callback = RecallAtFAR((images, labels), far=0.1)
+    >>> history = model.fit(images, images[:, :4], epochs=2, verbose=0,
+    ...                     callbacks=[callback])
+    >>> len(history.history["recall@far=1e-01"])
+    2
+    """
+
+    def __init__(
+        self,
+        data,
+        far=(1e-3, 1e-2),
+        every_n_epochs=1,
+        backbone=None,
+        batch_size=256,
+        pairs="all",
+        verbose=0,
+    ):
+        super().__init__()
+        self.fars = tuple(float(f) for f in verification._check_far(far))
+        if not isinstance(every_n_epochs, int) or every_n_epochs < 1:
+            raise ValueError(
+                f"every_n_epochs must be a positive int, got {every_n_epochs!r}."
+            )
+        if pairs not in verification.PAIRS:
+            raise ValueError(
+                f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
+            )
+        self.data = data
+        self.every_n_epochs = every_n_epochs
+        self.backbone = backbone
+        self.batch_size = batch_size
+        self.pairs = pairs
+        self.verbose = verbose
+        self.last_roc = None
+        self.keys = tuple(far_key(f) for f in self.fars)
+
+    def _embedding_model(self):
+        if self.backbone is not None:
+            return self.backbone
+        return getattr(self.model, "backbone", None) or self.model
+
+    def _embed(self):
+        model = self._embedding_model()
+        data = self.data
+        if isinstance(data, UserImages):
+            data = (data.images, data.labels)
+        if isinstance(data, tuple | list) and len(data) == 2:
+            images, labels = data
+            embeddings = model.predict(
+                np.asarray(images), batch_size=self.batch_size, verbose=0
+            )
+            return embeddings, np.asarray(labels)
+        embeddings, labels = [], []
+        batches = (
+            data.as_numpy_iterator()
+            if hasattr(data, "as_numpy_iterator")
+            else (data[i] for i in range(len(data)))
+        )
+        for images, batch_labels in batches:
+            embeddings.append(np.asarray(model(images, training=False)))
+            labels.append(np.asarray(batch_labels))
+        return np.concatenate(embeddings), np.concatenate(labels)
+
+    def evaluate(self):
+        """Embeds the data now and returns `{key: value}`."""
+        embeddings, labels = self._embed()
+        values = verification.recall_at_far(
+            embeddings, labels, far=list(self.fars), pairs=self.pairs
+        )
+        self.last_roc = verification.verification_roc(
+            embeddings, labels, max_far=max(self.fars), pairs=self.pairs
+        )
+        return dict(zip(self.keys, (float(v) for v in values), strict=True))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every_n_epochs:
+            return
+        results = self.evaluate()
+        if logs is not None:
+            logs.update(results)
+        if self.verbose:
+            text = ", ".join(f"{k} {v:.4f}" for k, v in results.items())
+            print(f"RecallAtFAR: epoch {epoch + 1}: {text}")

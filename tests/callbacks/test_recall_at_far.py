@@ -1,0 +1,103 @@
+"""The RecallAtFAR callback writes exact values into the epoch logs."""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+
+from kdpemb.callbacks import RecallAtFAR
+from kdpemb.datasets import UserImages
+from kdpemb.metrics import recall_at_far
+
+
+def held_out(seed=0, identities=15, per_identity=4, dim=6):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(identities, dim))
+    labels = np.repeat(np.arange(identities), per_identity)
+    x = centres[labels] + 0.7 * rng.normal(size=(labels.size, dim))
+    return x.astype("float32"), labels
+
+
+class WithBackbone(keras.Model):
+    """A wrapper whose `backbone` is the embedding model, like FedEmbModel."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.backbone(x))
+
+
+def backbone(dim=6, width=3):
+    return keras.Sequential([keras.Input((dim,)), keras.layers.Dense(width)])
+
+
+def test_keys_appear_in_history_and_equal_the_function(tmp_path):
+    x, labels = held_out()
+    net = backbone()
+    model = WithBackbone(net)
+    model.compile(optimizer="sgd", loss="mse")
+    callback = RecallAtFAR((x, labels), far=(0.01, 0.1))
+    log_file = tmp_path / "log.csv"
+    history = model.fit(
+        x, np.zeros(len(x)), epochs=3, verbose=0,
+        callbacks=[callback, keras.callbacks.CSVLogger(str(log_file))],
+    )  # fmt: skip
+    assert len(history.history["recall@far=1e-02"]) == 3
+    assert len(history.history["recall@far=1e-01"]) == 3
+    # The last value is the function on the backbone's embeddings.
+    embeddings = net.predict(x, verbose=0)
+    assert history.history["recall@far=1e-01"][-1] == pytest.approx(
+        recall_at_far(embeddings, labels, 0.1)
+    )
+    rows = list(csv.DictReader(log_file.open()))
+    assert len(rows) == 3 and "recall@far=1e-01" in rows[0]
+    assert callback.last_roc[0][-1] <= 0.1
+
+
+def test_every_n_epochs_and_early_stopping_on_the_key():
+    x, labels = held_out(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # Frozen.
+    # EarlyStopping warns on the epochs without the key, and waits for it.
+    with pytest.warns(UserWarning, match="not available"):
+        history = model.fit(
+            x, np.zeros((len(x), 3)), epochs=6, verbose=0,
+            callbacks=[
+                RecallAtFAR((x, labels), far=0.1, every_n_epochs=2),
+                keras.callbacks.EarlyStopping(
+                    monitor="recall@far=1e-01", mode="max", patience=1
+                ),
+            ],
+        )  # fmt: skip
+    # Evaluated at epochs 2 and 4; no improvement at 4 stops the run.
+    assert len(history.history["recall@far=1e-01"]) == 2
+    assert len(history.history["loss"]) == 4
+
+
+def test_user_images_tf_data_and_an_explicit_backbone():
+    tf = pytest.importorskip("tensorflow")
+    x, labels = held_out(2)
+    net = backbone()
+    values = []
+    for data in (
+        UserImages(x, labels, np.arange(len(x))),
+        tf.data.Dataset.from_tensor_slices((x, labels)).batch(16),
+    ):
+        callback = RecallAtFAR(data, far=0.1, backbone=net)
+        callback.set_model(WithBackbone(backbone()))  # Not this one's backbone.
+        values.append(callback.evaluate()["recall@far=1e-01"])
+    expected = recall_at_far(net.predict(x, verbose=0), labels, 0.1)
+    assert values == pytest.approx([expected, expected])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(far=2.0), "far must be"), (dict(every_n_epochs=0), "every_n_epochs")],
+)
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RecallAtFAR(held_out(), **kwargs)
