@@ -24,8 +24,9 @@ class RecallAtFAR(keras.callbacks.Callback):
     how the embedding generalises to people it never saw.
 
     Args:
-        data: `(images, labels)`, a `UserImages`, or a `tf.data.Dataset` /
-            `keras.utils.PyDataset` yielding `(images, labels)` batches.
+        data: a tuple `(images, labels)`, a `UserImages`, or a
+            `tf.data.Dataset` / `keras.utils.PyDataset` yielding batches
+            `(images, labels, ...)` (anything after the labels is ignored).
         far: float or sequence of floats. FARs to report. Defaults to
             `(1e-3, 1e-2)`.
         every_n_epochs: int. Defaults to `1`.
@@ -33,6 +34,8 @@ class RecallAtFAR(keras.callbacks.Callback):
             `model.backbone`, or the model.
         batch_size: int. Batch size of `predict`. Defaults to `256`.
         pairs: str. `"all"` or `"in_batch"`. Defaults to `"all"`.
+        in_batch_size: int. Batch size of `pairs="in_batch"`. Defaults to
+            `256`.
         verbose: int. 1 prints the values each time. Defaults to `0`.
 
     Example:
@@ -58,6 +61,7 @@ class RecallAtFAR(keras.callbacks.Callback):
         backbone=None,
         batch_size=256,
         pairs="all",
+        in_batch_size=256,
         verbose=0,
     ):
         super().__init__()
@@ -75,9 +79,12 @@ class RecallAtFAR(keras.callbacks.Callback):
         self.backbone = backbone
         self.batch_size = batch_size
         self.pairs = pairs
+        self.in_batch_size = in_batch_size
         self.verbose = verbose
         self.last_roc = None
         self.keys = tuple(far_key(f) for f in self.fars)
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"far lists the same FAR twice: {far!r}.")
 
     def _embedding_model(self):
         if self.backbone is not None:
@@ -89,7 +96,7 @@ class RecallAtFAR(keras.callbacks.Callback):
         data = self.data
         if isinstance(data, UserImages):
             data = (data.images, data.labels)
-        if isinstance(data, tuple | list) and len(data) == 2:
+        if isinstance(data, tuple) and len(data) == 2:
             images, labels = data
             embeddings = model.predict(
                 np.asarray(images), batch_size=self.batch_size, verbose=0
@@ -101,7 +108,8 @@ class RecallAtFAR(keras.callbacks.Callback):
             if hasattr(data, "as_numpy_iterator")
             else (data[i] for i in range(len(data)))
         )
-        for images, batch_labels in batches:
+        for batch in batches:
+            images, batch_labels = batch[0], batch[1]
             embeddings.append(np.asarray(model(images, training=False)))
             labels.append(np.asarray(batch_labels))
         return np.concatenate(embeddings), np.concatenate(labels)
@@ -109,11 +117,8 @@ class RecallAtFAR(keras.callbacks.Callback):
     def evaluate(self):
         """Embeds the data now and returns `{key: value}`."""
         embeddings, labels = self._embed()
-        values = verification.recall_at_far(
-            embeddings, labels, far=list(self.fars), pairs=self.pairs
-        )
-        self.last_roc = verification.verification_roc(
-            embeddings, labels, max_far=max(self.fars), pairs=self.pairs
+        self.last_roc, values = verification.roc_and_recall(
+            embeddings, labels, list(self.fars), self.pairs, self.in_batch_size
         )
         return dict(zip(self.keys, (float(v) for v in values), strict=True))
 

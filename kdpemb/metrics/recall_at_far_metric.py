@@ -1,5 +1,7 @@
 """`RecallAtFAR`: exact Recall@FAR as a `keras.metrics.Metric`."""
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -20,10 +22,14 @@ def _is_symbolic(value):
 def far_key(far):
     """The log key of one FAR, e.g. `recall@far=1e-03`.
 
-    >>> far_key(1e-3)
-    'recall@far=1e-03'
+    Powers of ten read `1e-03`; any other FAR is written in full, so two
+    FARs never share a key.
+
+    >>> far_key(1e-3), far_key(0.25), far_key(1.5e-3)
+    ('recall@far=1e-03', 'recall@far=0.25', 'recall@far=0.0015')
     """
-    return f"recall@far={far:.0e}"
+    short = f"{far:.0e}"
+    return f"recall@far={short if float(short) == far else repr(float(far))}"
 
 
 class RecallAtFAR(keras.metrics.Metric):
@@ -32,14 +38,19 @@ class RecallAtFAR(keras.metrics.Metric):
     `update_state(labels, embeddings)` appends each batch to a buffer of
     `capacity` rows (kept in metric variables, so it works inside compiled
     `evaluate` steps on both backends); `result()` computes the exact
-    all-pairs value with `kdpemb.metrics.recall_at_far` on the host. Inside
-    a compiled step (the per-batch progress bar) it returns NaN; the value
-    in the logs that `evaluate` and `fit(validation_data=...)` return is
-    the exact one over the whole set.
+    all-pairs value with `kdpemb.metrics.recall_at_far` on the host, once
+    per number of rows collected. Inside a compiled step it returns NaN, so
+    progress bars show `nan`; the logs that `evaluate` and
+    `fit(validation_data=...)` return hold the exact value over the set.
+
+    It is meant for evaluation. In `fit`, Keras also feeds it the training
+    batches: the training-set value is computed too (costly for large
+    sets), and it is NaN, with a warning, once they exceed `capacity`.
+    Too few pairs to measure `far` also give NaN (the function raises).
 
     Memory: `capacity × embedding_dim` float32 in variables (10,000 × 128
-    is 5 MB), plus the blocks of the pair computation at `result()`. More
-    rows than `capacity` make `result()` raise rather than drop data.
+    is 5 MB), plus the blocks of the pair computation at `result()`. Rows
+    beyond `capacity` are never silently dropped: the result is NaN.
 
     Args:
         far: float. The false-accept rate. Defaults to `1e-3`.
@@ -49,7 +60,10 @@ class RecallAtFAR(keras.metrics.Metric):
             to `10_000`.
         pairs: str. `"all"` or `"in_batch"` (see `recall_at_far`).
             Defaults to `"all"`.
-        name: str. Defaults to `recall@far=1e-03` style.
+        in_batch_size: int. Batch size of `pairs="in_batch"` (the
+            collected rows are cut into consecutive batches of this size).
+            Defaults to `256`.
+        name: str. Defaults to `far_key(far)`.
 
     Example:
 
@@ -68,6 +82,7 @@ class RecallAtFAR(keras.metrics.Metric):
         embedding_dim,
         capacity=10_000,
         pairs="all",
+        in_batch_size=256,
         name=None,
         dtype=None,
     ):
@@ -86,6 +101,8 @@ class RecallAtFAR(keras.metrics.Metric):
         self.embedding_dim = embedding_dim
         self.capacity = capacity
         self.pairs = pairs
+        self.in_batch_size = in_batch_size
+        self._cache = (None, None)
         self.embeddings = self.add_variable(
             shape=(capacity, embedding_dim), initializer="zeros", name="embeddings"
         )
@@ -112,6 +129,11 @@ class RecallAtFAR(keras.metrics.Metric):
                 f"RecallAtFAR(embedding_dim={self.embedding_dim}) got embeddings "
                 f"of width {y_pred.shape[-1]}."
             )
+        if y_pred.shape[0] is not None and y_pred.shape[0] > self.capacity:
+            raise ValueError(
+                f"RecallAtFAR(capacity={self.capacity}) got a batch of "
+                f"{y_pred.shape[0]} embeddings; pass a larger capacity."
+            )
         size = ops.shape(y_pred)[0]
         count = self.count.value
         fits = count + size <= self.capacity
@@ -127,16 +149,32 @@ class RecallAtFAR(keras.metrics.Metric):
         count = self.count.value
         if _is_symbolic(count):
             return keras.ops.convert_to_tensor(float("nan"))
+        nan = keras.ops.convert_to_tensor(float("nan"))
         if int(np.asarray(self.overflow.value)):
-            raise ValueError(
+            warnings.warn(
                 f"RecallAtFAR(capacity={self.capacity}) received more "
-                "embeddings than it can hold; pass a larger capacity."
+                "embeddings than it can hold, so its value is NaN. Pass a "
+                "larger capacity (in fit, the training batches count too).",
+                UserWarning,
+                stacklevel=2,
             )
+            return nan
         count = int(np.asarray(count))
-        embeddings = np.asarray(self.embeddings.value)[:count]
-        labels = np.asarray(self.labels.value)[:count]
-        value = verification.recall_at_far(embeddings, labels, self.far, self.pairs)
-        return keras.ops.convert_to_tensor(value, dtype="float32")
+        if self._cache[0] != count:
+            embeddings = np.asarray(self.embeddings.value)[:count]
+            labels = np.asarray(self.labels.value)[:count]
+            try:
+                value = verification.recall_at_far(
+                    embeddings, labels, self.far, self.pairs, self.in_batch_size
+                )
+            except ValueError:  # Too few pairs (so far) to measure far.
+                value = float("nan")
+            self._cache = (count, value)
+        return keras.ops.convert_to_tensor(self._cache[1], dtype="float32")
+
+    def reset_state(self):
+        super().reset_state()
+        self._cache = (None, None)
 
     def get_config(self):
         return {
@@ -145,4 +183,5 @@ class RecallAtFAR(keras.metrics.Metric):
             "embedding_dim": self.embedding_dim,
             "capacity": self.capacity,
             "pairs": self.pairs,
+            "in_batch_size": self.in_batch_size,
         }

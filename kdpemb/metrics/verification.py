@@ -10,18 +10,26 @@ accepts the pairs with score >= t. Then
 
 and Recall@FAR=f is the largest TAR(t) with FAR(t) <= f.
 
-**Exactness.** With a = floor(f · #impostor) and v the (a+1)-th largest
+**Exactness.** With a the most false accepts that f allows (about
+f · #impostors, see below) and v the (a+1)-th largest
 impostor score, FAR(t) <= f exactly when t > v, so Recall@FAR=f is the
 share of genuine scores strictly above v. Only the a+1 largest impostor
 scores are needed, so the all-pairs computation streams blocks of rows of
 the similarity matrix and keeps a running top-(a+1): memory is one block
 plus the genuine scores, never the N × N matrix.
 
-**Ties.** Scores are float32 dot products of float32 unit vectors (a
-matrix product, whose last bit can depend on the block layout). Pairs
-with equal scores are accepted or rejected together (a threshold cannot
-split them), so a genuine pair tied with the (a+1)-th impostor is
-rejected. That is what `sklearn.metrics.roc_curve` does too.
+**Ties.** Scores are cosine similarities computed in float64 and rounded
+to float32. A float64 matrix product can differ in the last bits for the
+same pair of vectors depending on where they sit in a block; rounding to
+float32 makes identical (duplicated or quantised) embeddings score exactly
+equal. Pairs with equal scores are accepted or rejected together (a
+threshold cannot split them), so a genuine pair tied with the (a+1)-th
+impostor is rejected. That is what `sklearn.metrics.roc_curve` does too.
+
+**FAR arithmetic.** FAR(t) is the float64 quotient accepted / #impostors,
+as scikit-learn computes it, and "FAR <= f" is compared in float64 (so
+far=0.29 with 100 impostors allows 29 false accepts although 0.29 · 100
+is 28.999... in binary).
 """
 
 import math
@@ -29,7 +37,7 @@ import numbers
 
 import numpy as np
 
-_BLOCK_ELEMENTS = 2**25  # Scores per block: 128 MiB of float32.
+_BLOCK_ELEMENTS = 2**24  # Scores per block: 128 MiB of float64.
 PAIRS = ("all", "in_batch")
 
 
@@ -41,7 +49,7 @@ def _check_embeddings(embeddings, labels):
         )
     if embeddings.dtype.kind not in "fiu":
         raise ValueError(f"embeddings must be numbers, got dtype {embeddings.dtype}.")
-    embeddings = embeddings.astype(np.float32)
+    embeddings = embeddings.astype(np.float64)
     finite = np.isfinite(embeddings).all(axis=1)
     if not finite.all():
         bad = np.flatnonzero(~finite)
@@ -83,14 +91,30 @@ def _check_far(far):
     return values
 
 
+def allowed_false_accepts(far, num_impostors):
+    """The largest a with a / num_impostors <= far, in float64.
+
+    >>> allowed_false_accepts(0.29, 100), allowed_false_accepts(1e-3, 999)
+    (29, 0)
+    """
+    allowed = min(num_impostors, math.floor(far * num_impostors))
+    while allowed < num_impostors and (allowed + 1) / num_impostors <= far:
+        allowed += 1
+    while allowed > 0 and allowed / num_impostors > far:
+        allowed -= 1
+    return allowed
+
+
 def _check_measurable(values, num_impostors):
     for value in values:
-        if value * num_impostors < 1.0:
+        if allowed_false_accepts(value, num_impostors) == 0:
+            scale = 10.0 ** (math.floor(math.log10(1.0 / num_impostors)) - 2)
+            smallest = math.ceil(1.0 / num_impostors / scale) * scale
             raise ValueError(
                 f"far={value:g} is below 1 / {num_impostors} impostor pairs: "
                 "this evaluation set cannot measure a false-accept rate that "
-                f"small. Use far >= {1.0 / num_impostors:.2g}, or more "
-                "identities and images."
+                f"small. Use far >= {smallest:.3g}, or more identities and "
+                "images."
             )
     return values
 
@@ -147,7 +171,8 @@ def _all_pair_scores(unit, labels, keep):
     rows = max(1, min(n, _BLOCK_ELEMENTS // max(n, 1)))
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        scores = unit[start:stop] @ unit[start:].T  # Columns start..n-1.
+        # Columns start..n-1; float64 products rounded to float32 (ties).
+        scores = (unit[start:stop] @ unit[start:].T).astype(np.float32)
         for row, i in enumerate(range(start, stop)):
             impostors_from = identity_end[i] - start
             genuine.append(scores[row, row + 1 : impostors_from].copy())
@@ -162,7 +187,7 @@ def _in_batch_scores(unit, labels, batch_size):
     for start in range(0, unit.shape[0], batch_size):
         block = unit[start : start + batch_size]
         block_labels = labels[start : start + batch_size]
-        scores = block @ block.T
+        scores = (block @ block.T).astype(np.float32)
         upper = np.triu(np.ones(scores.shape, dtype=bool), k=1)
         same = block_labels[:, None] == block_labels[None, :]
         genuine.append(scores[upper & same])
@@ -187,7 +212,7 @@ def _scores(embeddings, labels, pairs, batch_size, keep_far):
         num_impostors = impostor.size
     else:
         _, num_impostors = _pair_counts(labels)
-        keep = min(num_impostors, math.floor(keep_far * num_impostors) + 1)
+        keep = min(num_impostors, allowed_false_accepts(keep_far, num_impostors) + 1)
         genuine, impostor = _all_pair_scores(unit, labels, keep)
     if genuine.size == 0:
         raise ValueError(
@@ -201,7 +226,7 @@ def _scores(embeddings, labels, pairs, batch_size, keep_far):
 
 
 def _recall(genuine_sorted, impostor_desc, num_impostors, far):
-    allowed = math.floor(far * num_impostors)
+    allowed = allowed_false_accepts(far, num_impostors)
     if allowed >= num_impostors:
         return 1.0
     cut = impostor_desc[allowed]
@@ -288,14 +313,27 @@ def verification_roc(embeddings, labels, max_far=0.1, pairs="all", batch_size=25
     """
     if not (isinstance(max_far, numbers.Real) and 0.0 < max_far <= 1.0):
         raise ValueError(f"max_far must be in (0, 1], got {max_far!r}.")
+    roc, _ = roc_and_recall(embeddings, labels, [max_far], pairs, batch_size)
+    return roc
+
+
+def roc_and_recall(embeddings, labels, fars, pairs="all", batch_size=256):
+    """`(verification_roc(max_far=max(fars)), recall_at_far(fars))` from
+    one pass over the pairs (what the `RecallAtFAR` callback needs)."""
+    fars = _check_far(fars)
+    max_far = float(fars.max())
     genuine, impostor, num_impostors = _scores(
         embeddings, labels, pairs, batch_size, keep_far=max_far
+    )
+    _check_measurable(fars, num_impostors)
+    genuine_sorted = np.sort(genuine)
+    recalls = np.array(
+        [_recall(genuine_sorted, impostor, num_impostors, f) for f in fars]
     )
     complete = impostor.size == num_impostors
     thresholds = np.unique(np.concatenate([genuine, impostor]))[::-1]
     if not complete:  # Exact only above the smallest kept impostor score.
         thresholds = thresholds[thresholds > impostor[-1]]
-    genuine_sorted = np.sort(genuine)
     impostor_sorted = impostor[::-1]
     accepted_genuine = genuine.size - np.searchsorted(
         genuine_sorted, thresholds, side="left"
@@ -307,4 +345,4 @@ def verification_roc(embeddings, labels, max_far=0.1, pairs="all", batch_size=25
     tar = np.concatenate([[0.0], accepted_genuine / genuine.size])
     thresholds = np.concatenate([[np.inf], thresholds]).astype(np.float32)
     keep = far <= max_far
-    return far[keep], tar[keep], thresholds[keep]
+    return (far[keep], tar[keep], thresholds[keep]), recalls

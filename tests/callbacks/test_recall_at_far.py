@@ -86,17 +86,22 @@ def test_user_images_tf_data_and_an_explicit_backbone():
     for data in (
         UserImages(x, labels, np.arange(len(x))),
         tf.data.Dataset.from_tensor_slices((x, labels)).batch(16),
+        tf.data.Dataset.from_tensor_slices((x, labels, np.ones(len(x)))).batch(9),
     ):
         callback = RecallAtFAR(data, far=0.1, backbone=net)
         callback.set_model(WithBackbone(backbone()))  # Not this one's backbone.
         values.append(callback.evaluate()["recall@far=1e-01"])
     expected = recall_at_far(net.predict(x, verbose=0), labels, 0.1)
-    assert values == pytest.approx([expected, expected])
+    assert values == pytest.approx([expected] * 3)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(far=2.0), "far must be"), (dict(every_n_epochs=0), "every_n_epochs")],
+    [
+        (dict(far=2.0), "far must be"),
+        (dict(every_n_epochs=0), "every_n_epochs"),
+        (dict(far=(1e-2, 0.01)), "same FAR twice"),
+    ],
 )
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from kdpemb.metrics import RecallAtFAR, recall_at_far
+from kdpemb.metrics import RecallAtFAR, far_key, recall_at_far
 
 
 def data(seed=0, identities=20, per_identity=5, dim=8):
@@ -39,27 +39,62 @@ def test_metric_in_evaluate_equals_the_function(batch_size):
     assert logs["recall@far=2e-02"] == pytest.approx(recall_at_far(x2, y2, 0.02))
 
 
-def test_metric_in_fit_validation_logs():
+def test_metric_in_fit_validation_logs_even_when_training_overflows():
     x, y = data()
-    model = identity_model(8, [RecallAtFAR(0.05, embedding_dim=8, capacity=100)])
+    x_train, y_train = data(seed=3, identities=50)  # 250 rows > capacity.
+    model = identity_model(8, [])
     model.compile(
         optimizer="sgd",
         loss=lambda t, p: keras.ops.mean(p * 0.0),
-        metrics=[RecallAtFAR(0.05, embedding_dim=8, capacity=100)],
+        metrics=[RecallAtFAR(0.05, embedding_dim=8, capacity=120)],
     )
-    history = model.fit(
-        x, y, validation_data=(x, y), epochs=2, batch_size=25, verbose=0
-    )
+    with pytest.warns(UserWarning, match="capacity=120"):
+        history = model.fit(
+            x_train, y_train, validation_data=(x, y), epochs=2, batch_size=25,
+            verbose=0,
+        )  # fmt: skip
     assert history.history["val_recall@far=5e-02"] == pytest.approx(
         [recall_at_far(x, y, 0.05)] * 2
     )
+    assert np.isnan(history.history["recall@far=5e-02"]).all()
 
 
-def test_more_embeddings_than_capacity_raise_instead_of_dropping():
+def test_metric_runs_eagerly_batch_by_batch():
+    x, y = data()
+    model = identity_model(8, [RecallAtFAR(far=1e-3, embedding_dim=8, capacity=128)])
+    model.compile(
+        loss=lambda t, p: keras.ops.mean(p * 0.0),
+        metrics=[RecallAtFAR(far=1e-3, embedding_dim=8, capacity=128)],
+        run_eagerly=True,
+    )
+    logs = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    assert logs["recall@far=1e-03"] == pytest.approx(recall_at_far(x, y, 1e-3))
+
+
+def test_in_batch_pairs_use_the_given_batch_size():
+    x, y = data()
+    metric = RecallAtFAR(0.05, embedding_dim=8, pairs="in_batch", in_batch_size=50)
+    metric.update_state(y, x)
+    expected = recall_at_far(x, y, 0.05, pairs="in_batch", batch_size=50)
+    assert float(metric.result()) == pytest.approx(expected)
+    assert expected != recall_at_far(x, y, 0.05, pairs="in_batch", batch_size=20)
+
+
+def test_far_keys_never_collide():
+    fars = [1e-3, 1.5e-3, 0.01, 0.014, 0.25, 2e-1, 1.0]
+    keys = [far_key(f) for f in fars]
+    assert len(set(keys)) == len(keys)
+    assert keys[0] == "recall@far=1e-03" and keys[3] == "recall@far=0.014"
+
+
+def test_more_embeddings_than_capacity_give_nan_never_a_partial_value():
     x, y = data()
     model = identity_model(8, [RecallAtFAR(0.05, embedding_dim=8, capacity=60)])
-    with pytest.raises(ValueError, match="capacity=60"):
-        model.evaluate(x, y, batch_size=25, verbose=0)
+    with pytest.warns(UserWarning, match="capacity=60"):
+        logs = model.evaluate(x, y, batch_size=25, verbose=0, return_dict=True)
+    assert np.isnan(logs["recall@far=5e-02"])
+    with pytest.raises(ValueError, match="batch of 100"):
+        RecallAtFAR(0.05, embedding_dim=8, capacity=60).update_state(y, x)
 
 
 def test_eager_update_and_reset():
@@ -97,12 +132,14 @@ def test_wrong_width_and_sample_weights_are_refused():
 
 
 def test_config_round_trip():
-    metric = RecallAtFAR(0.01, embedding_dim=4, capacity=10, pairs="in_batch")
+    metric = RecallAtFAR(
+        0.01, embedding_dim=4, capacity=10, pairs="in_batch", in_batch_size=7
+    )
     clone = RecallAtFAR.from_config(metric.get_config())
-    assert (clone.far, clone.embedding_dim, clone.capacity, clone.pairs) == (
+    assert (clone.far, clone.capacity, clone.pairs, clone.in_batch_size) == (
         0.01,
-        4,
         10,
         "in_batch",
+        7,
     )
     assert clone.name == "recall@far=1e-02"

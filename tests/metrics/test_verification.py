@@ -65,10 +65,52 @@ def test_ties_are_accepted_or_rejected_together(seed, far):
 
 
 def all_pair_scores(embeddings, labels):
-    unit = unit_rows(embeddings)
+    """float64 cosines of every pair i < j, rounded to float32, one by one."""
+    unit = np.asarray(embeddings, dtype=np.float64)
+    unit = unit / np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
     i, j = np.triu_indices(len(labels), k=1)
-    scores = (unit @ unit.T)[i, j]
+    scores = np.einsum("kd,kd->k", unit[i], unit[j]).astype(np.float32)
     return scores, (labels[i] == labels[j]).astype(int)
+
+
+def sklearn_recall(embeddings, labels, far):
+    scores, same = all_pair_scores(embeddings, labels)
+    fpr, tpr, _ = roc_curve(same, scores, drop_intermediate=False)
+    return tpr[fpr <= far].max()
+
+
+def quantised(seed, distinct=24, n=400, dim=32):
+    """Many exact duplicates: identities share a few quantised vectors."""
+    rng = np.random.default_rng(seed)
+    codebook = np.round(rng.normal(size=(distinct, dim)) * 4) / 4
+    labels = rng.integers(0, 40, size=n)
+    pick = np.where(
+        rng.random(n) < 0.6, labels % distinct, rng.integers(0, distinct, n)
+    )
+    return codebook[pick], labels
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_elements", [None, 500])
+def test_duplicated_embeddings_tie_exactly_whatever_the_blocks(
+    seed, block_elements, monkeypatch
+):
+    embeddings, labels = quantised(seed)
+    if block_elements:
+        monkeypatch.setattr(verification, "_BLOCK_ELEMENTS", block_elements)
+    for far in (1e-3, 1e-2, 0.1):
+        assert recall_at_far(embeddings, labels, far) == pytest.approx(
+            sklearn_recall(embeddings, labels, far), abs=1e-12
+        )
+
+
+@pytest.mark.parametrize("far", [0.29, 0.07, 0.57, 1 / 49 * 3])
+def test_far_is_compared_as_scikit_learn_does(far):
+    # 0.29 * 100 is 28.999... in binary: a floor() would allow 28 accepts.
+    embeddings, labels = clustered(11, identities=12, per_identity=3)
+    assert recall_at_far(embeddings, labels, far) == pytest.approx(
+        sklearn_recall(embeddings, labels, far), abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -96,7 +138,7 @@ def test_a_partial_roc_is_the_exact_prefix_of_the_full_one():
     assert 1 < n < full[0].size and part[0][-1] <= 0.05
     for a, b in zip(part, full, strict=True):
         np.testing.assert_array_equal(a, b[:n])
-    assert full[0][n] > 0.05 or full[2][n] <= part[2][-1]
+    assert full[0][n] > 0.05  # The next point of the full curve is past 0.05.
 
 
 def test_blocked_computation_equals_one_block(monkeypatch):
@@ -155,8 +197,11 @@ def test_better_embeddings_score_higher():
 def test_a_far_below_one_impostor_pair_is_refused_with_the_smallest_usable():
     embeddings, labels = clustered(1, identities=4, per_identity=2)
     impostors = 28 - 4
-    with pytest.raises(ValueError, match=f"below 1 / {impostors} impostor"):
+    with pytest.raises(ValueError, match=f"below 1 / {impostors} impostor") as error:
         recall_at_far(embeddings, labels, far=0.01)
+    # The suggested FAR is itself accepted.
+    suggested = float(str(error.value).split("far >= ")[1].split(",")[0])
+    assert 0 <= recall_at_far(embeddings, labels, far=suggested) <= 1
     assert 0 <= recall_at_far(embeddings, labels, far=1 / impostors) <= 1
 
 
