@@ -25,6 +25,7 @@ _SUBMODULES = (
     "data",
     "datasets",
     "metrics",
+    "models",
     "plots",
     "privacy",
     "testing",

@@ -1,0 +1,181 @@
+"""The Gaussian sum query in `keras.ops`: clip, sum, add noise once.
+
+Every kdpemb trainer privatises the same way: each contribution (a virtual
+client's model update, or one example's gradient) is clipped to L2 norm C
+as one vector over all its tensors, the clipped contributions are summed,
+and Gaussian noise N(0, (z C)² I) is added once to the sum. This module
+does exactly that on either backend, and nothing else.
+
+- `clip_and_sum` returns a `ClippedSum` that carries the clip norm it
+  guarantees, so `add_gaussian_noise` takes the noise scale from it and
+  never from a second, separately configured number.
+- A contribution with a NaN or infinite value anywhere is replaced by
+  zeros (norm 0 <= C) and counted, so one diverged client can neither
+  poison the sum nor break the sensitivity bound.
+- Noise comes from a `keras.random.SeedGenerator`, which advances on every
+  draw: each tensor and each call gets a fresh, independent draw. An
+  integer seed would give every tensor of the same shape the same noise,
+  so it is refused.
+
+This module imports Keras; the rest of `kdpemb.privacy` does not.
+"""
+
+from typing import NamedTuple
+
+import keras
+
+from kdpemb.privacy import validation
+
+
+class ClippedSum(NamedTuple):
+    """The sum of clipped contributions, and what it guarantees.
+
+    Attributes:
+        total: list of tensors. Sum over contributions of the clipped
+            updates, one tensor per variable (without the leading axis).
+        clip_norm: float. Every contribution's L2 norm (over all its
+            tensors) is at most this: changing one contribution moves
+            `total` by at most 2 · clip_norm, removing one by clip_norm.
+        count: int tensor. Contributions included (after the mask).
+        num_nonfinite: int tensor. Included contributions that were zeroed
+            because they held NaN or infinite values.
+    """
+
+    total: list
+    clip_norm: float
+    count: object
+    num_nonfinite: object
+
+
+def global_norms(updates):
+    """Per-contribution L2 norm over all tensors: shape `[m]`.
+
+    Args:
+        updates: list of tensors, each `[m, ...]` (one row per
+            contribution).
+
+    Example:
+
+    >>> import numpy as np
+    >>> norms = global_norms([np.array([[3.0], [0.0]]), np.array([[4.0], [1.0]])])
+    >>> np.asarray(norms).tolist()
+    [5.0, 1.0]
+    """
+    ops = keras.ops
+    squares = [
+        ops.sum(
+            ops.reshape(ops.square(ops.cast(u, "float32")), (ops.shape(u)[0], -1)),
+            axis=1,
+        )
+        for u in updates
+    ]
+    return ops.sqrt(sum(squares[1:], squares[0]))
+
+
+def clip_and_sum(updates, clip_norm, mask=None):
+    """Clips each contribution to `clip_norm` and sums them.
+
+    Each row i (over all tensors together) is scaled by
+    min(1, C / ‖u_i‖₂); rows with a non-finite value become zeros; rows
+    with `mask` false are left out.
+
+    Args:
+        updates: list of tensors `[m, ...]`, one row per contribution.
+        clip_norm: float > 0. C.
+        mask: bool tensor `[m]` or None. Which rows take part. Defaults to
+            all.
+
+    Returns:
+        A `ClippedSum`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> result = clip_and_sum([np.array([[3.0, 4.0], [0.3, 0.4], [np.nan, 0.0]])],
+    ...                       clip_norm=1.0)
+    >>> np.round(np.asarray(result.total[0], dtype=float), 6).tolist()
+    [0.9, 1.2]
+    >>> int(result.count), int(result.num_nonfinite)
+    (3, 1)
+    """
+    clip_norm = validation.check_positive(clip_norm, "clip_norm")
+    if not updates:
+        raise ValueError("clip_and_sum needs at least one tensor of updates.")
+    ops = keras.ops
+    norms = global_norms(updates)
+    rows = ops.shape(norms)[0]
+    mask = (
+        ops.ones((rows,), dtype="bool")
+        if mask is None
+        else ops.cast(ops.convert_to_tensor(mask), "bool")
+    )
+    finite = ops.isfinite(norms)
+    safe_norms = ops.where(finite, norms, 0.0)
+    scale = ops.minimum(1.0, clip_norm / ops.maximum(safe_norms, 1e-30))
+    scale = ops.where(ops.logical_and(finite, mask), scale, 0.0)
+    total = []
+    for update in updates:
+        update = ops.cast(update, "float32")
+        shape = (rows,) + (1,) * (len(update.shape) - 1)
+        keep = ops.reshape(ops.logical_and(finite, mask), shape)
+        # where() before the product: NaN * 0 would still be NaN.
+        cleaned = ops.where(keep, update, 0.0)
+        total.append(ops.sum(cleaned * ops.reshape(scale, shape), axis=0))
+    included = ops.cast(mask, "int32")
+    return ClippedSum(
+        total=total,
+        clip_norm=clip_norm,
+        count=ops.sum(included),
+        num_nonfinite=ops.sum(included * ops.cast(ops.logical_not(finite), "int32")),
+    )
+
+
+def add_gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
+    """`total + N(0, (z · clip_norm)²)`, independently per coordinate.
+
+    Call it once per step on the sum over all contributions (on every
+    replica's sum only after the cross-replica reduction), never per
+    replica or per contribution.
+
+    Args:
+        clipped_sum: `ClippedSum`. From `clip_and_sum` (after any
+            cross-replica reduction of its `total`).
+        noise_multiplier: float >= 0. z.
+        seed_generator: `keras.random.SeedGenerator`. Advanced by every
+            draw. Integers are refused: they would reuse one draw.
+
+    Returns:
+        list of tensors, the noisy sum.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> clipped = clip_and_sum([np.zeros((4, 3))], clip_norm=2.0)
+    >>> noisy = add_gaussian_noise(clipped, 0.5,
+    ...                            keras.random.SeedGenerator(0))
+    >>> np.asarray(noisy[0]).shape
+    (3,)
+    """
+    noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
+    if not isinstance(seed_generator, keras.random.SeedGenerator):
+        raise TypeError(
+            "seed_generator must be a keras.random.SeedGenerator, got "
+            f"{type(seed_generator).__name__}. A fixed integer seed would draw "
+            "the same noise for every tensor of one shape and every call: "
+            "create one SeedGenerator and keep it."
+        )
+    if not isinstance(clipped_sum, ClippedSum):
+        raise TypeError(
+            "add_gaussian_noise takes the ClippedSum from clip_and_sum, which "
+            "carries the clip norm that sets the noise scale."
+        )
+    stddev = noise_multiplier * clipped_sum.clip_norm
+    if stddev == 0.0:
+        return list(clipped_sum.total)
+    return [
+        total
+        + keras.random.normal(
+            keras.ops.shape(total), stddev=stddev, seed=seed_generator
+        )
+        for total in clipped_sum.total
+    ]
