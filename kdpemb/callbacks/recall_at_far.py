@@ -89,7 +89,8 @@ class RecallAtFAR(keras.callbacks.Callback):
     def _embedding_model(self):
         if self.backbone is not None:
             return self.backbone
-        return getattr(self.model, "backbone", None) or self.model
+        backbone = getattr(self.model, "backbone", None)
+        return self.model if backbone is None else backbone
 
     def _embed(self):
         model = self._embedding_model()

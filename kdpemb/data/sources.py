@@ -11,6 +11,7 @@ import numbers
 
 import numpy as np
 
+from kdpemb.datasets.labels import check_labels
 from kdpemb.datasets.user_images import UserImages
 
 _SCAN_CHUNK = 4096
@@ -154,27 +155,9 @@ def _check_finite(images):
 
 def _check_labels(labels, n, num_classes):
     labels = np.asarray(labels)
-    if labels.shape != (n,):
-        raise ValueError(
-            f"labels must have shape ({n},), one per image, got {labels.shape}."
-        )
-    if labels.dtype.kind == "f":
-        if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
-            raise ValueError(
-                "labels must be integer identity indices; got non-integer or "
-                "non-finite values (e.g. "
-                f"{labels[~np.isfinite(labels) | (labels != np.round(labels))][:3]})."
-            )
-    elif labels.dtype.kind not in "iub":
-        raise ValueError(
-            f"labels must be integer identity indices, got dtype {labels.dtype}."
-        )
-    labels = labels.astype(np.int64)
-    if labels.min() < 0:
-        raise ValueError(
-            f"labels must be >= 0, got {int(labels.min())} at index "
-            f"{int(np.argmin(labels))}. Map identities to 0..num_classes-1."
-        )
+    if labels.dtype == bool:  # Two identities, as 0 and 1.
+        labels = labels.astype(np.int64)
+    labels = check_labels(labels, num_examples=n)
     if num_classes is None:
         num_classes = int(labels.max()) + 1
     elif not isinstance(num_classes, numbers.Integral) or num_classes < 1:

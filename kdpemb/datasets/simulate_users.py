@@ -5,45 +5,7 @@ import warnings
 
 import numpy as np
 
-
-def _check_labels(labels):
-    try:
-        array = np.asarray(labels)
-    except Exception as e:
-        raise ValueError(
-            f"labels must be a 1-D array of non-negative integers ({e})."
-        ) from e
-    if array.ndim != 1:
-        raise ValueError(
-            f"labels must be 1-D, one class per example, got shape {array.shape}; "
-            "flatten one-hot or (N, 1) labels first (e.g. labels.argmax(-1) or "
-            "labels.reshape(-1))."
-        )
-    if array.size == 0:
-        raise ValueError("labels is empty: there are no examples to assign to users.")
-    numeric = np.issubdtype(array.dtype, np.integer) or np.issubdtype(
-        array.dtype, np.floating
-    )
-    if array.dtype == bool or not numeric:
-        raise ValueError(
-            f"labels must be non-negative integers, got dtype {array.dtype}; map "
-            "class names to integers first (e.g. np.unique(names, "
-            "return_inverse=True)[1])."
-        )
-    if np.issubdtype(array.dtype, np.floating):
-        bad = ~np.isfinite(array) | (array != np.round(array))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(
-                f"labels must be whole numbers, but labels[{i}] = {array[i].item()!r}; "
-                "pass integer class labels, not scores or NaN."
-            )
-    if (array < 0).any():
-        i = int(np.argmax(array < 0))
-        raise ValueError(
-            f"labels must be non-negative, but labels[{i}] = {array[i].item()!r}."
-        )
-    return array.astype(np.int64)
+from kdpemb.datasets.labels import check_labels
 
 
 def _check_count(name, value):
@@ -101,7 +63,7 @@ def simulate_users(labels, num_users, classes_per_user=None, seed=0):
     >>> [len(np.unique(labels[users == u])) for u in range(8)]
     [2, 2, 2, 2, 2, 2, 2, 2]
     """
-    labels = _check_labels(labels)
+    labels = check_labels(labels)
     num_users = _check_count("num_users", num_users)
     if classes_per_user is not None:
         classes_per_user = _check_count("classes_per_user", classes_per_user)

@@ -269,13 +269,7 @@ def recall_at_far(embeddings, labels, far=1e-3, pairs="all", batch_size=256):
     >>> recall_at_far(embeddings, labels, far=[1e-3, 1e-1]).shape
     (2,)
     """
-    values = _check_far(far)
-    genuine, impostor, num_impostors = _scores(
-        embeddings, labels, pairs, batch_size, keep_far=float(values.max())
-    )
-    _check_measurable(values, num_impostors)
-    genuine = np.sort(genuine)
-    result = np.array([_recall(genuine, impostor, num_impostors, f) for f in values])
+    *_, result = _scores_and_recalls(embeddings, labels, far, pairs, batch_size)
     return float(result[0]) if np.ndim(far) == 0 else result
 
 
@@ -317,32 +311,39 @@ def verification_roc(embeddings, labels, max_far=0.1, pairs="all", batch_size=25
     return roc
 
 
-def roc_and_recall(embeddings, labels, fars, pairs="all", batch_size=256):
-    """`(verification_roc(max_far=max(fars)), recall_at_far(fars))` from
-    one pass over the pairs (what the `RecallAtFAR` callback needs)."""
+def _scores_and_recalls(embeddings, labels, fars, pairs, batch_size):
+    """Sorted genuine scores, kept impostor scores (descending), the number
+    of impostor pairs, and Recall@FAR at each of `fars`."""
     fars = _check_far(fars)
-    max_far = float(fars.max())
     genuine, impostor, num_impostors = _scores(
-        embeddings, labels, pairs, batch_size, keep_far=max_far
+        embeddings, labels, pairs, batch_size, keep_far=float(fars.max())
     )
     _check_measurable(fars, num_impostors)
     genuine_sorted = np.sort(genuine)
     recalls = np.array(
         [_recall(genuine_sorted, impostor, num_impostors, f) for f in fars]
     )
+    return genuine_sorted, impostor, num_impostors, recalls
+
+
+def roc_and_recall(embeddings, labels, fars, pairs="all", batch_size=256):
+    """`(verification_roc(max_far=max(fars)), recall_at_far(fars))` from
+    one pass over the pairs (what the `RecallAtFAR` callback needs)."""
+    genuine_sorted, impostor, num_impostors, recalls = _scores_and_recalls(
+        embeddings, labels, fars, pairs, batch_size
+    )
     complete = impostor.size == num_impostors
-    thresholds = np.unique(np.concatenate([genuine, impostor]))[::-1]
+    thresholds = np.unique(np.concatenate([genuine_sorted, impostor]))[::-1]
     if not complete:  # Exact only above the smallest kept impostor score.
         thresholds = thresholds[thresholds > impostor[-1]]
-    impostor_sorted = impostor[::-1]
-    accepted_genuine = genuine.size - np.searchsorted(
+    accepted_genuine = genuine_sorted.size - np.searchsorted(
         genuine_sorted, thresholds, side="left"
     )
     accepted_impostor = impostor.size - np.searchsorted(
-        impostor_sorted, thresholds, side="left"
+        impostor[::-1], thresholds, side="left"
     )
     far = np.concatenate([[0.0], accepted_impostor / num_impostors])
-    tar = np.concatenate([[0.0], accepted_genuine / genuine.size])
+    tar = np.concatenate([[0.0], accepted_genuine / genuine_sorted.size])
     thresholds = np.concatenate([[np.inf], thresholds]).astype(np.float32)
-    keep = far <= max_far
+    keep = far <= float(np.max(fars))
     return (far[keep], tar[keep], thresholds[keep]), recalls
