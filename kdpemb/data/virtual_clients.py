@@ -387,6 +387,15 @@ class VirtualClients(keras.utils.PyDataset):
         return min(self.max_examples_per_client, self.num_classes)
 
     @property
+    def max_identities_per_user(self):
+        """Most identities any one user holds."""
+        counts = np.diff(self._user_offsets)
+        users = np.repeat(np.arange(self.num_users), counts)
+        labels = self._labels[self._examples_by_user].astype(np.int64)
+        pairs = np.unique(users * self.num_classes + labels)
+        return int(np.bincount(pairs // self.num_classes).max())
+
+    @property
     def element_spec(self):
         """`{key: (shape, dtype)}` of one round."""
         m, s, b = self.max_clients_per_round, self.local_steps, self.batch_size

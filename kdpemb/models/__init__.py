@@ -1,5 +1,15 @@
-"""Private training models (their DP `train_step`s) and the checks they run."""
+"""Private training models (their DP `train_step`s), baselines and backbones."""
 
 from kdpemb.models.backbone_checks import UnsupportedLayerError, check_backbone
+from kdpemb.models.backbones import small_cnn
+from kdpemb.models.centralized import CentralizedBaseline
+from kdpemb.models.fedemb import FedEmbModel, ReproducibleNoiseWarning
 
-__all__ = ["UnsupportedLayerError", "check_backbone"]
+__all__ = [
+    "CentralizedBaseline",
+    "FedEmbModel",
+    "ReproducibleNoiseWarning",
+    "UnsupportedLayerError",
+    "check_backbone",
+    "small_cnn",
+]

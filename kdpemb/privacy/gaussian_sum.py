@@ -130,6 +130,40 @@ def clip_and_sum(updates, clip_norm, mask=None):
     )
 
 
+def gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
+    """Fresh N(0, (z · clip_norm)²) draws, one tensor per tensor of the sum.
+
+    `add_gaussian_noise` adds them to the sum. A trainer whose replicas
+    each hold part of the sum uses this directly, so that exactly one
+    replica contributes the noise (`kdpemb.models.backends`).
+
+    Args: as `add_gaussian_noise`.
+
+    Returns:
+        list of tensors shaped as `clipped_sum.total` (zeros when z = 0).
+    """
+    noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
+    if not isinstance(seed_generator, keras.random.SeedGenerator):
+        raise TypeError(
+            "seed_generator must be a keras.random.SeedGenerator, got "
+            f"{type(seed_generator).__name__}. A fixed integer seed would draw "
+            "the same noise for every tensor of one shape and every call: "
+            "create one SeedGenerator and keep it."
+        )
+    if not isinstance(clipped_sum, ClippedSum):
+        raise TypeError(
+            "The noise is scaled from the ClippedSum of clip_and_sum, which "
+            "carries the clip norm that sets it."
+        )
+    stddev = noise_multiplier * clipped_sum.clip_norm
+    if stddev == 0.0:
+        return [keras.ops.zeros_like(total) for total in clipped_sum.total]
+    return [
+        keras.random.normal(keras.ops.shape(total), stddev=stddev, seed=seed_generator)
+        for total in clipped_sum.total
+    ]
+
+
 def add_gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
     """`total + N(0, (z · clip_norm)²)`, independently per coordinate.
 
@@ -156,26 +190,7 @@ def add_gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
     >>> np.asarray(noisy[0]).shape
     (3,)
     """
-    noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
-    if not isinstance(seed_generator, keras.random.SeedGenerator):
-        raise TypeError(
-            "seed_generator must be a keras.random.SeedGenerator, got "
-            f"{type(seed_generator).__name__}. A fixed integer seed would draw "
-            "the same noise for every tensor of one shape and every call: "
-            "create one SeedGenerator and keep it."
-        )
-    if not isinstance(clipped_sum, ClippedSum):
-        raise TypeError(
-            "add_gaussian_noise takes the ClippedSum from clip_and_sum, which "
-            "carries the clip norm that sets the noise scale."
-        )
-    stddev = noise_multiplier * clipped_sum.clip_norm
-    if stddev == 0.0:
+    noise = gaussian_noise(clipped_sum, noise_multiplier, seed_generator)
+    if validation.check_noise_multiplier(noise_multiplier) == 0.0:
         return list(clipped_sum.total)
-    return [
-        total
-        + keras.random.normal(
-            keras.ops.shape(total), stddev=stddev, seed=seed_generator
-        )
-        for total in clipped_sum.total
-    ]
+    return [total + n for total, n in zip(clipped_sum.total, noise, strict=True)]

@@ -1,0 +1,29 @@
+"""Gradient and replica plumbing, one small module per Keras backend.
+
+The DP algorithms are written once in `keras.ops`; the few things that
+differ between backends live here, the way Keras splits its own trainers:
+
+- `value_and_grad(fn)`: `fn(params, *args) -> scalar` becomes
+  `(params, *args) -> (value, grads)`, with `params` a list of tensors.
+- `replica_sum(x)`: the sum of `x` over the replicas of a
+  `tf.distribute` strategy (identity where the program is already global,
+  as a JAX `keras.distribution` program is).
+- `noise_share()`: 1 on the one replica that adds the round's noise, 0 on
+  the others, so that summing the replicas' updates adds it exactly once.
+- `train_step(model, args, step)`: calls `step(data)` with the model's
+  variables live: directly on TensorFlow, inside a `StatelessScope` on JAX.
+"""
+
+import importlib
+
+import keras
+
+
+def current():
+    """The plumbing module of the active Keras backend."""
+    backend = keras.backend.backend()
+    if backend not in ("tensorflow", "jax"):
+        raise NotImplementedError(
+            f"kdpemb's trainers support the tensorflow and jax backends, not {backend!r}."
+        )
+    return importlib.import_module(f"kdpemb.models.backends.{backend}_backend")
