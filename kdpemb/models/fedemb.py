@@ -179,7 +179,9 @@ class FedEmbModel(keras.Model):
                 f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}."
             )
         if head_init not in HEAD_INITS:
-            raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}.")
+            raise ValueError(
+                f"head_init must be one of {HEAD_INITS}, got {head_init!r}."
+            )
         if aggregation == "full" and head_init != "zeros":
             raise ValueError(
                 "head_init applies to DP-FedEmb's local heads; with "
@@ -206,7 +208,9 @@ class FedEmbModel(keras.Model):
             users_per_client, "users_per_client"
         )
         self.num_users = (
-            None if num_users is None else validation.check_positive_int(num_users, "num_users")
+            None
+            if num_users is None
+            else validation.check_positive_int(num_users, "num_users")
         )
         self.num_clients = (
             None
@@ -269,11 +273,21 @@ class FedEmbModel(keras.Model):
                 ReproducibleNoiseWarning,
                 stacklevel=2,
             )
-        self.noise_seed = keras.random.SeedGenerator(seed, name="noise_seed")
+        self.noise_seed = keras.random.SeedGenerator(seed or 0, name="noise_seed")
         self.head_seed = keras.random.SeedGenerator(
-            None if seed is None else seed + 1, name="head_seed"
+            0 if seed is None else seed + 1, name="head_seed"
         )
+        self._reseed()
         self.built = True
+
+    def _reseed(self):
+        # With seed=None the noise comes from OS entropy, drawn afresh at
+        # construction and at every fit: a saved model stores the
+        # generators' state, which must not predict the noise of later
+        # rounds.
+        if self.seed is None:
+            gaussian_sum.reseed_from_entropy(self.noise_seed)
+            gaussian_sum.reseed_from_entropy(self.head_seed)
 
     # -------------------------------------------------------- privacy --
 
@@ -324,6 +338,7 @@ class FedEmbModel(keras.Model):
                 "num_users (and the other sampling settings) to the model "
                 "when you feed rounds from another dataset."
             )
+        self._reseed()
         return super().fit(x, *args, **kwargs)
 
     def _check_clients(self, clients):
@@ -411,7 +426,9 @@ class FedEmbModel(keras.Model):
             data = dict(
                 data,
                 labels=data["global_labels"],
-                num_local_classes=ops.full_like(data["num_local_classes"], self.num_classes),
+                num_local_classes=ops.full_like(
+                    data["num_local_classes"], self.num_classes
+                ),
             )
         else:
             columns = self._head_columns or data["labels"].shape[-1] * self.local_steps
@@ -424,7 +441,9 @@ class FedEmbModel(keras.Model):
         result = fedemb_round.run_round(trainer, theta, non_trainable, heads, data)
 
         clipped = result.clipped
-        noise = gaussian_sum.gaussian_noise(clipped, self.noise_multiplier, self.noise_seed)
+        noise = gaussian_sum.gaussian_noise(
+            clipped, self.noise_multiplier, self.noise_seed
+        )
         share = plumbing.noise_share()
         mean_update = [
             (total + share * n) / self.clients_per_round

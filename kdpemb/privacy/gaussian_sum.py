@@ -20,9 +20,11 @@ does exactly that on either backend, and nothing else.
 This module imports Keras; the rest of `kdpemb.privacy` does not.
 """
 
+import secrets
 from typing import NamedTuple
 
 import keras
+import numpy as np
 
 from kdpemb.privacy import validation
 
@@ -128,6 +130,33 @@ def clip_and_sum(updates, clip_norm, mask=None):
         count=ops.sum(included),
         num_nonfinite=ops.sum(included * ops.cast(ops.logical_not(finite), "int32")),
     )
+
+
+def reseed_from_entropy(seed_generator):
+    """Sets a `SeedGenerator`'s whole state from OS entropy; returns it.
+
+    `keras.random.SeedGenerator(None)` seeds itself from Python's `random`
+    module with about 30 bits: `keras.utils.set_random_seed` makes it
+    predictable, and 30 bits can be searched. DP noise needs neither. This
+    fills both words of the state (64 bits on JAX, 124 on TensorFlow)
+    from `secrets`. Call it again whenever the state may be known, e.g.
+    after loading a saved model (the state is saved with its weights).
+
+    Example:
+
+    >>> import keras
+    >>> generator = reseed_from_entropy(keras.random.SeedGenerator(0))
+    >>> generator.state.shape
+    (2,)
+    """
+    state = seed_generator.state
+    dtype = keras.backend.standardize_dtype(state.dtype)
+    bits = 32 if dtype in ("uint32", "int32") else 62
+    if dtype == "int32":
+        bits = 31
+    words = np.array([secrets.randbits(bits), secrets.randbits(bits)], dtype=dtype)
+    state.assign(words)
+    return seed_generator
 
 
 def gaussian_noise(clipped_sum, noise_multiplier, seed_generator):

@@ -24,6 +24,7 @@ def current():
     backend = keras.backend.backend()
     if backend not in ("tensorflow", "jax"):
         raise NotImplementedError(
-            f"kdpemb's trainers support the tensorflow and jax backends, not {backend!r}."
+            "kdpemb's trainers support the tensorflow and jax backends, "
+            f"not {backend!r}."
         )
     return importlib.import_module(f"kdpemb.models.backends.{backend}_backend")

@@ -12,7 +12,10 @@ def value_and_grad(fn):
             tape.watch(params)
             value = fn(params, *args)
         grads = tape.gradient(value, params)
-        grads = [tf.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        grads = [
+            tf.zeros_like(p) if g is None else g
+            for p, g in zip(params, grads, strict=True)
+        ]
         return value, grads
 
     return wrapped
