@@ -387,6 +387,19 @@ class FedEmbModel(keras.Model):
                 "from the same values."
             )
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # TensorFlow trainer under a strategy: Keras would average the first
+        # distributed round over replicas to learn shapes, which fails on the
+        # bool masks (and builds a round for nothing). The model is built at
+        # construction; only the server optimizer's variables remain, and
+        # they must be created in the strategy's scope.
+        strategy = getattr(self, "_distribute_strategy", None)
+        if strategy is None:
+            return
+        with strategy.scope():
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
+
     def call(self, images, training=False):
         """The embeddings of `images` (float32 pixel values)."""
         return self.backbone(ops.cast(images, "float32"), training=training)

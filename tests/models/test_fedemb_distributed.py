@@ -1,0 +1,170 @@
+"""FedEmbModel rounds split across two devices (DESIGN.md sections 2 and 6).
+
+On TensorFlow the model runs under `tf.distribute.MirroredStrategy`, on
+JAX under `keras.distribution.DataParallel`, each over two CPU devices.
+Devices must be configured before the backend initialises, so
+`distributed_worker.py` runs the rounds in a fresh process (of the
+backend this suite runs under) and prints JSON; the tests here check it:
+
+- the round's client axis really is split over the two devices;
+- with no noise and no clipping the distributed rounds give the same
+  backbone as the same rounds on one device (clients summed across
+  devices once, divided by M once);
+- with the clients' updates zero, each round moves every coordinate by
+  N(0, (z C / M)^2): the noise is added once per round, not once per
+  device, and is fresh in every round;
+- `private_steps` counts one per round.
+"""
+
+import contextlib
+import fcntl
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from tests.models import distributed_worker as setup
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+BACKEND = keras.backend.backend()
+HALF = setup.MAX_CLIENTS // setup.NUM_DEVICES
+NOISE_STD = setup.NOISE_MULTIPLIER * setup.NOISE_CLIP / setup.CLIENTS_PER_ROUND
+
+
+def run_worker():
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, CUDA_VISIBLE_DEVICES="-1")
+    if BACKEND == "jax":
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={setup.NUM_DEVICES}"
+        ).strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, str(WORKER)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The worker's results, computed once per run even with pytest-xdist."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return run_worker()
+    shared = tmp_path_factory.getbasetemp().parent / f"fedemb_distributed_{BACKEND}"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            return json.loads(Path(f"{shared}.json").read_text())
+        data = run_worker()
+        Path(f"{shared}.json").write_text(json.dumps(data))
+        return data
+
+
+def scenario(results, key):
+    """One scenario of the worker; its traceback if it raised."""
+    report = results[key]
+    if "error" in report:
+        pytest.fail(f"{key} raised in the worker ({BACKEND}):\n{report['error']}")
+    return report
+
+
+def round_changes(report):
+    """The backbone's change in every round, one flat array each."""
+    states = [np.asarray(report["before"])] + [
+        np.asarray(w) for w in report["after_round"]
+    ]
+    return [after - before for before, after in itertools.pairwise(states)]
+
+
+def test_the_worker_runs_this_backend_on_two_cpu_devices(results):
+    assert results["backend"] == BACKEND
+    assert len(results["devices"]) == setup.NUM_DEVICES
+    if BACKEND == "tensorflow":
+        assert all("CPU" in device for device in results["devices"])
+        assert results["num_replicas_in_sync"] == setup.NUM_DEVICES
+    else:
+        assert all(device.startswith("cpu") for device in results["devices"])
+        assert results["jax_devices"] == setup.NUM_DEVICES
+        assert results["mesh_devices"] == setup.NUM_DEVICES
+
+
+@pytest.mark.parametrize("name", sorted(setup.SCENARIOS))
+def test_the_clients_of_a_round_are_split_across_the_devices(results, name):
+    report = scenario(results, f"distributed/{name}")
+    # Every round samples clients into both halves of the client axis, so
+    # each device trains some of them.
+    assert len(report["served"]) == setup.ROUNDS
+    for served in report["served"]:
+        assert any(served["mask"][:HALF]) and any(served["mask"][HALF:]), served
+    if BACKEND == "tensorflow":
+        # Built in the strategy's scope: one copy of each variable per
+        # device; each replica's program sees its half of the rows.
+        assert report["copies_per_variable"] == [setup.NUM_DEVICES] * 2
+        rows = report["rows_per_program"]
+        assert rows and len(rows) % setup.NUM_DEVICES == 0
+        assert set(rows) == {HALF}
+    else:
+        # Replicated variables; the global program's client axis is
+        # sharded over both devices, and all clients train at once.
+        assert report["devices_per_variable"] == [setup.NUM_DEVICES] * 2
+        assert report["layouts"]
+        for layout in report["layouts"]:
+            assert layout == {"devices": setup.NUM_DEVICES, "rows_per_device": HALF}
+        assert report["client_parallelism"] == setup.MAX_CLIENTS
+
+
+def test_distributed_rounds_equal_the_same_rounds_on_one_device(results):
+    single = scenario(results, "single/equivalence")
+    distributed = scenario(results, "distributed/equivalence")
+    # The same rounds, and no extra round built (e.g. to learn shapes).
+    assert distributed["served"] == single["served"]
+    np.testing.assert_array_equal(distributed["before"], single["before"])
+    reference = round_changes(single)
+    assert len(reference) == setup.ROUNDS
+    for change in reference:
+        # Each round moves the backbone well beyond the tolerance below:
+        # a sum counted twice or divided by M twice would not pass.
+        assert np.abs(change).max() > 1e-3
+        assert np.std(change) > 5e-4
+    for ours, theirs in zip(
+        distributed["after_round"], single["after_round"], strict=True
+    ):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("where", ["single", "distributed"])
+def test_noise_is_added_once_per_round_and_fresh_each_round(results, where):
+    report = scenario(results, f"{where}/noise")
+    changes = round_changes(report)
+    assert len(changes) == setup.ROUNDS
+    for change in changes:
+        n = change.size
+        assert n > 4000
+        # The std of n Gaussian draws is within 1/sqrt(2n) (1.1 %) of σ;
+        # noise from both devices would give √2 σ (or 2 σ), noise from
+        # half the devices' updates σ / 2, none 0.
+        assert np.std(change) == pytest.approx(NOISE_STD, rel=0.06)
+        assert abs(np.mean(change)) < 5 * NOISE_STD / np.sqrt(n)
+    # A fresh draw each round: the rounds' noise is uncorrelated (a reused
+    # draw would give correlation 1; the tolerance is 6 standard errors).
+    correlation = np.corrcoef(changes[0], changes[1])[0, 1]
+    assert abs(correlation) < 6 / np.sqrt(changes[0].size)
+
+
+@pytest.mark.parametrize("where", ["single", "distributed"])
+@pytest.mark.parametrize("name", sorted(setup.SCENARIOS))
+def test_private_steps_counts_one_per_round(results, where, name):
+    report = scenario(results, f"{where}/{name}")
+    assert report["private_steps"] == setup.ROUNDS
+    assert report["history"]["private_steps"] == [float(setup.ROUNDS)]
