@@ -325,6 +325,14 @@ class FedEmbModel(keras.Model):
             )
         super().compile(optimizer=optimizer, **kwargs)
 
+    def compile_from_config(self, config):
+        """Restores the server optimizer when a saved model is loaded."""
+        config = keras.saving.deserialize_keras_object(config)
+        config.pop("loss", None)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def fit(self, x=None, *args, **kwargs):
         """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients` (or its
         `to_tf_dataset()`, or any dataset of the same round dicts)."""

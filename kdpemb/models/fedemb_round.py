@@ -213,6 +213,14 @@ def run_round(trainer, theta, non_trainable, heads, data):
     if not shared_head:
         rows["head"] = heads
     num_active = ops.sum(ops.cast(client_mask, "int32"))
+    num_rows = data["images"].shape[0]
+    if num_rows is None or cfg.client_parallelism < num_rows:
+        # The loop below visits only the first ceil(active / chunk) chunks:
+        # move the sampled rows first (VirtualClients already puts them
+        # there; other round sources may not).
+        order = ops.argsort(ops.cast(ops.logical_not(client_mask), "int32"))
+        rows = {key: ops.take(value, order, axis=0) for key, value in rows.items()}
+        client_mask = ops.take(client_mask, order, axis=0)
 
     def train_client(client):
         head = heads if shared_head else client["head"]
@@ -220,7 +228,6 @@ def run_round(trainer, theta, non_trainable, heads, data):
 
     chunk = cfg.client_parallelism
     if chunk > 1:
-        num_rows = data["images"].shape[0]
         if num_rows is not None:
             chunk = min(chunk, num_rows)
 
