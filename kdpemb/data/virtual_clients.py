@@ -637,7 +637,10 @@ class VirtualClients(keras.utils.PyDataset):
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(self.rounds_per_epoch)
         )
-        return dataset.prefetch(self.max_queue_size)
+        dataset = dataset.prefetch(self.max_queue_size)
+        # FedEmbModel.fit checks its settings against these rounds.
+        dataset._kdpemb_virtual_clients = self
+        return dataset
 
 
 def _even_quotas(counts, total, rng):

@@ -18,6 +18,28 @@ from kdpemb.models import backbone_checks, backends, fedemb_round
 from kdpemb.privacy import gaussian_sum, protocol, validation
 
 AGGREGATIONS = ("partial", "full")
+_SETTINGS = frozenset(
+    {
+        "aggregation",
+        "num_classes",
+        "local_steps",
+        "client_optimizer",
+        "head_lr_scale",
+        "head_init",
+        "reconstruction_steps",
+        "clip_norm",
+        "noise_multiplier",
+        "clients_per_round",
+        "users_per_client",
+        "num_users",
+        "num_clients",
+        "sampling",
+        "client_parallelism",
+        "seed",
+        "backbone",
+        "embedding_dim",
+    }
+)
 HEAD_INITS = ("zeros", "random")
 
 
@@ -40,6 +62,22 @@ def _client_sgd(client_optimizer):
             f"{client_optimizer!r}. Local optimizer state lives only inside "
             "one client's local steps, where kdpemb runs SGD itself; use any "
             "Keras optimizer as the server optimizer in compile()."
+        )
+    ignored = {
+        name: getattr(client_optimizer, name, None)
+        for name in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm")
+        if getattr(client_optimizer, name, None)
+    }
+    if client_optimizer.use_ema:
+        ignored["use_ema"] = True
+    if client_optimizer.gradient_accumulation_steps:
+        ignored["gradient_accumulation_steps"] = (
+            client_optimizer.gradient_accumulation_steps
+        )
+    if ignored:
+        raise ValueError(
+            f"client_optimizer sets {ignored}, which local SGD does not "
+            "implement; use SGD(learning_rate, momentum=..., nesterov=...) only."
         )
     learning_rate = client_optimizer.learning_rate
     if isinstance(
@@ -97,6 +135,18 @@ class FedEmbModel(keras.Model):
     `privacy_statement(delta)`. `model.backbone` is the embedding model to
     export; `model.save` keeps the backbone, the head, the server
     optimizer and `private_steps`, so a loaded model keeps counting.
+
+    Logs: `private_steps`, and `nonfinite_updates`, the round's count of
+    sampled clients whose update was non-finite and zeroed. That count is
+    computed from private data without noise and is not covered by the
+    guarantee (a diverging client is a bug to see, not to hide); keep it
+    out of anything you release.
+
+    Every setting is fixed at construction (assigning one raises): the
+    traced round and the accounting of past rounds depend on it. Layers
+    with random state in the backbone (Dropout, random augmentation) draw
+    the same values at every local step, since the backbone's state is
+    never updated from training.
 
     Args:
         backbone: `keras.Model` from images to embeddings `[batch, D]`,
@@ -190,6 +240,12 @@ class FedEmbModel(keras.Model):
         self.aggregation = aggregation
         self.head_init = head_init
         self.local_steps = validation.check_positive_int(local_steps, "local_steps")
+        if not isinstance(reconstruction_steps, numbers.Integral) or isinstance(
+            reconstruction_steps, bool
+        ):
+            raise ValueError(
+                f"reconstruction_steps must be an int, got {reconstruction_steps!r}."
+            )
         self.reconstruction_steps = int(reconstruction_steps)
         if not 0 <= self.reconstruction_steps < self.local_steps:
             raise ValueError(
@@ -279,12 +335,24 @@ class FedEmbModel(keras.Model):
         )
         self._reseed()
         self.built = True
+        self._settings_frozen = True
+
+    def __setattr__(self, name, value):
+        # The traced round bakes these in and the accountant reads them: a
+        # change after construction would make ε describe another training.
+        if name in _SETTINGS and getattr(self, "_settings_frozen", False):
+            raise AttributeError(
+                f"FedEmbModel.{name} is fixed at construction: the rounds "
+                "already traced and the privacy accounting of past rounds "
+                "depend on it. Build a new FedEmbModel (e.g. from "
+                "model.get_config() with the new value, then copy the weights)."
+            )
+        super().__setattr__(name, value)
 
     def _reseed(self):
         # With seed=None the noise comes from OS entropy, drawn afresh at
-        # construction and at every fit: a saved model stores the
-        # generators' state, which must not predict the noise of later
-        # rounds.
+        # construction and at every fit, so no generator state anyone has
+        # seen (a copied model, a checkpoint) predicts later noise.
         if self.seed is None:
             gaussian_sum.reseed_from_entropy(self.noise_seed)
             gaussian_sum.reseed_from_entropy(self.head_seed)
@@ -323,6 +391,16 @@ class FedEmbModel(keras.Model):
             raise ValueError(
                 "FedEmbModel computes its own local loss; compile it without loss."
             )
+        policy = keras.mixed_precision.dtype_policy().name
+        if policy == "mixed_float16" or isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            raise ValueError(
+                "FedEmbModel does not scale its local losses, so float16 loss "
+                "scaling would shrink every server update; use the "
+                "'mixed_bfloat16' policy (or float32) instead."
+            )
+        kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, **kwargs)
 
     def compile_from_config(self, config):
@@ -338,20 +416,28 @@ class FedEmbModel(keras.Model):
         `to_tf_dataset()`, or any dataset of the same round dicts)."""
         from kdpemb.data import VirtualClients
 
-        if isinstance(x, VirtualClients):
-            self._check_clients(x)
+        for name in ("validation_data", "validation_split"):
+            if kwargs.get(name):
+                raise ValueError(
+                    f"FedEmbModel.fit does not take {name}: there is no loss "
+                    "to validate. Use the kdpemb.callbacks.RecallAtFAR "
+                    "callback on held-out identities."
+                )
+        _check_strategy(self)
+        clients = getattr(x, "_kdpemb_virtual_clients", x)
+        if isinstance(clients, VirtualClients):
+            self._check_clients(clients)
         elif self.num_users is None:
             raise ValueError(
-                "fit a FedEmbModel on a kdpemb.data.VirtualClients, or pass "
-                "num_users (and the other sampling settings) to the model "
-                "when you feed rounds from another dataset."
+                "fit a FedEmbModel on a kdpemb.data.VirtualClients (or its "
+                "to_tf_dataset()). To feed rounds from another source, pass "
+                "num_users (and every sampling setting) to the model: you "
+                "then vouch that the rounds are sampled as it states."
             )
         self._reseed()
         return super().fit(x, *args, **kwargs)
 
     def _check_clients(self, clients):
-        # Local heads need one column per identity a client can hold.
-        self._head_columns = clients.max_local_classes
         if (
             self.aggregation == "partial"
             and clients.users_per_client == 1
@@ -364,22 +450,21 @@ class FedEmbModel(keras.Model):
                 "Group users into virtual clients with users_per_client > 1 "
                 "(e.g. 4 to 16) in VirtualClients and FedEmbModel."
             )
-        if self.num_users is None:
-            self.num_users = clients.num_users
-            if self.num_clients is None and clients.num_clients != math.ceil(
+        num_users, num_clients = self.num_users, self.num_clients
+        if num_users is None:
+            num_users = clients.num_users
+            if num_clients is None and clients.num_clients != math.ceil(
                 clients.num_users / clients.users_per_client
             ):
-                self.num_clients = clients.num_clients
+                num_clients = clients.num_clients
+        pool = privacy.num_virtual_clients(num_users, self.users_per_client)
         expected = {
-            "num_users": (self.num_users, clients.num_users),
+            "num_users": (num_users, clients.num_users),
             "clients_per_round": (self.clients_per_round, clients.clients_per_round),
             "users_per_client": (self.users_per_client, clients.users_per_client),
             "sampling": (self.sampling, clients.sampling),
             "local_steps": (self.local_steps, clients.local_steps),
-            "num_clients": (
-                self.privacy_mechanism().pool_size,
-                clients.num_clients,
-            ),
+            "num_clients": (num_clients or pool, clients.num_clients),
         }
         if self.aggregation == "full":
             expected["num_classes"] = (self.num_classes, clients.num_classes)
@@ -394,6 +479,20 @@ class FedEmbModel(keras.Model):
                 f"its privacy accounting would be wrong ({details}). Build both "
                 "from the same values."
             )
+        devices = _data_parallel_devices()
+        if devices > 1 and clients.max_clients_per_round % devices:
+            size = -(-clients.max_clients_per_round // devices) * devices
+            raise ValueError(
+                f"The rounds hold {clients.max_clients_per_round} client rows, "
+                f"which do not split over {devices} devices; build the "
+                f"VirtualClients with max_clients_per_round={size}."
+            )
+        # Validated: adopt the data's counts (once) and the head width.
+        self._settings_frozen = False
+        self.num_users, self.num_clients = num_users, num_clients
+        self._settings_frozen = True
+        # Local heads need one column per identity a client can hold.
+        self._head_columns = clients.max_local_classes
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # TensorFlow trainer under a strategy: Keras would average the first
@@ -533,6 +632,34 @@ class FedEmbModel(keras.Model):
         config = dict(config)
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         return cls(**config)
+
+
+def _data_parallel_devices():
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    return int(distribution.device_mesh.devices.size)
+
+
+def _check_strategy(model):
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None:
+        return
+    import tensorflow as tf
+
+    if isinstance(
+        strategy,
+        (
+            tf.distribute.MultiWorkerMirroredStrategy,
+            tf.distribute.experimental.ParameterServerStrategy,
+        ),
+    ):
+        raise NotImplementedError(
+            f"FedEmbModel does not support {type(strategy).__name__} yet: each "
+            "worker would sample its own rounds, so one step would mix "
+            "independent samples and the accounting would not hold. Use "
+            "MirroredStrategy on one machine, or keras.distribution on JAX."
+        )
 
 
 def _input_shape(backbone):

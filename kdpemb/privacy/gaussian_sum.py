@@ -138,9 +138,9 @@ def reseed_from_entropy(seed_generator):
     `keras.random.SeedGenerator(None)` seeds itself from Python's `random`
     module with about 30 bits: `keras.utils.set_random_seed` makes it
     predictable, and 30 bits can be searched. DP noise needs neither. This
-    fills both words of the state (64 bits on JAX, 124 on TensorFlow)
-    from `secrets`. Call it again whenever the state may be known, e.g.
-    after loading a saved model (the state is saved with its weights).
+    fills both words of the state from `secrets` (64 bits on JAX; about 62
+    on TensorFlow, where Keras reduces each word modulo 2³¹ − 2). Call it
+    again whenever the state may be known, e.g. at every `fit`.
 
     Example:
 

@@ -484,3 +484,67 @@ def test_a_fixed_seed_warns_and_none_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReproducibleNoiseWarning)
         make_model(ref.linear_backbone(), compile=False, seed=None)
+
+
+# ------------------------------------------ settings that would mislead ε --
+
+
+def test_settings_are_fixed_after_construction():
+    # The traced round bakes the settings in while the accountant reads
+    # them: a later change would make ε describe another training.
+    clients = tiny_clients()
+    model = private_model(clients)
+    model.fit(clients, epochs=1, verbose=0)
+    for name, value in [("noise_multiplier", 50.0), ("clip_norm", 0.1)]:
+        with pytest.raises(AttributeError, match=name):
+            setattr(model, name, value)
+    assert model.noise_multiplier == 4.0 and model.clip_norm == 0.5
+
+
+def test_a_tf_dataset_of_the_rounds_is_checked_like_the_rounds():
+    clients = tiny_clients()
+    model = private_model(clients, clients_per_round=2)
+    if keras.backend.backend() == "tensorflow":
+        with pytest.raises(ValueError, match="clients_per_round"):
+            model.fit(clients.to_tf_dataset(), epochs=1, verbose=0)
+    # A refused fit adopts nothing: another source is still refused.
+    with pytest.raises(ValueError, match="num_users"):
+        model.fit(ref.Rounds([]), epochs=1, verbose=0)
+    assert privacy.read_private_steps(model) == 0
+
+
+def test_validation_data_is_refused_before_any_round():
+    clients = tiny_clients()
+    model = private_model(clients)
+    with pytest.raises(ValueError, match="validation_data"):
+        model.fit(clients, epochs=1, verbose=0, validation_data=clients)
+    assert privacy.read_private_steps(model) == 0
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        keras.optimizers.SGD(0.1, weight_decay=0.5),
+        keras.optimizers.SGD(0.1, clipnorm=1.0),
+        keras.optimizers.SGD(0.1, use_ema=True),
+    ],
+    ids=["weight_decay", "clipnorm", "ema"],
+)
+def test_client_sgd_options_that_would_be_ignored_are_refused(optimizer):
+    with pytest.raises(ValueError, match="does not implement"):
+        make_model(ref.linear_backbone(), compile=False, client_optimizer=optimizer)
+
+
+def test_fractional_reconstruction_steps_are_refused():
+    with pytest.raises(ValueError, match="reconstruction_steps"):
+        make_model(ref.linear_backbone(), compile=False, reconstruction_steps=1.5)
+
+
+def test_float16_loss_scaling_is_refused():
+    model = make_model(ref.linear_backbone(), compile=False)
+    with pytest.raises(ValueError, match="mixed_bfloat16"):
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+        )
+    model.compile(optimizer=keras.optimizers.SGD(1.0))
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
