@@ -146,7 +146,7 @@ def reseed_from_entropy(seed_generator):
 
     >>> import keras
     >>> generator = reseed_from_entropy(keras.random.SeedGenerator(0))
-    >>> generator.state.shape
+    >>> tuple(generator.state.shape)
     (2,)
     """
     state = seed_generator.state
