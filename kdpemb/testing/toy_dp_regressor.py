@@ -9,6 +9,7 @@ import numpy as np
 from keras import ops
 
 from kdpemb import privacy
+from kdpemb.models import backends
 from kdpemb.privacy import validation
 
 
@@ -79,9 +80,9 @@ class ToyDPRegressor(keras.Model):
 
     def train_step(self, *args):
         # TensorFlow calls train_step(data); JAX calls train_step(state, data).
-        if len(args) == 2:
-            return self._stateless_train_step(*args)
-        return self._private_update(*args[0][:2])
+        return backends.current().train_step(
+            self, args, lambda data: self._private_update(*data[:2])
+        )
 
     def _private_update(self, x, y):
         if x.shape[0] not in (None, self.num_examples):
@@ -111,25 +112,6 @@ class ToyDPRegressor(keras.Model):
         self.optimizer.apply([grad_w, grad_b], [self.kernel, self.bias])
         self.private_steps.assign_add(1)
         return {"private_steps": self.private_steps.value}
-
-    def _stateless_train_step(self, state, data):
-        groups = (
-            self.trainable_variables,
-            self.non_trainable_variables,
-            self.optimizer.variables,
-            self.metrics_variables,
-        )
-        mapping = [
-            pair
-            for variables, values in zip(groups, state, strict=True)
-            for pair in zip(variables, values, strict=True)
-        ]
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            logs = self._private_update(*data[:2])
-        new_state = tuple(
-            [scope.get_current_value(v) for v in variables] for variables in groups
-        )
-        return logs, new_state
 
     def get_config(self):
         config = super().get_config()
