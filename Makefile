@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/privacy_calculator.py
+	$(PY) examples/train_dp_fedemb.py --output build/dp_fedemb_backbone.keras
 
 test: lint test-tensorflow test-jax
 

@@ -4,6 +4,7 @@ Usage:
     python -m benchmarks accounting          # a table
     python -m benchmarks accounting --json   # one JSON object
     python -m benchmarks all --quick         # every benchmark, smaller sizes
+    python -m benchmarks fedemb --quick      # DP-FedEmb utility and speed, smoke
 """
 
 import argparse
@@ -16,6 +17,7 @@ import time
 BENCHMARKS = {
     "accounting": "benchmarks.accounting",
     "data": "benchmarks.data_pipeline",
+    "fedemb": "benchmarks.fedemb",
     "verification": "benchmarks.verification",
 }
 

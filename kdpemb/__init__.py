@@ -24,6 +24,7 @@ _SUBMODULES = (
     "cli",
     "data",
     "datasets",
+    "features",
     "metrics",
     "models",
     "plots",
@@ -31,12 +32,17 @@ _SUBMODULES = (
     "testing",
 )
 
-__all__ = ["__version__", *_SUBMODULES]
+# The models, also reachable from the top level (`kdpemb.FedEmbModel`).
+_MODELS = ("CentralizedBaseline", "FedEmbModel")
+
+__all__ = ["__version__", *_SUBMODULES, *_MODELS]
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"kdpemb.{name}")
+    if name in _MODELS:
+        return getattr(importlib.import_module("kdpemb.models"), name)
     raise AttributeError(f"module 'kdpemb' has no attribute {name!r}")
 
 

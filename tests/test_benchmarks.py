@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 from benchmarks import __main__ as runner
 
 
@@ -36,3 +38,37 @@ def test_verification_benchmark_reports_time_and_memory_ratios(capsys):
     for value in [*result["figures"].values(), *result["ratios"].values()]:
         assert math.isfinite(value) and value > 0
     assert any("matmul-only" in key for key in result["ratios"])
+
+
+def test_fedemb_benchmark_times_a_round_against_the_same_centralized_steps():
+    from benchmarks import fedemb
+
+    assert runner.BENCHMARKS["fedemb"] == "benchmarks.fedemb"
+    result = fedemb.speed(quick=True)
+    cpu = result["ratios"]["CPU: round time / centralized time (goal <= 1.2)"]
+    gpu = result["ratios"]["GPU: round / centralized examples/s (goal >= 0.5)"]
+    measured = gpu if fedemb._gpu() else cpu
+    assert math.isfinite(measured) and measured > 0
+    if not fedemb._gpu():
+        assert gpu == "no GPU"
+        assert result["figures"]["CPU: examples per round"] == 2 * 2 * 4  # M·S·B
+
+
+@pytest.mark.slow
+def test_fedemb_benchmark_reports_recall_of_each_method_and_epsilon():
+    from benchmarks import fedemb
+
+    result = fedemb.utility(quick=True)
+    figures = result["figures"]
+    for method in ("untrained", "centralized", "non-private FedEmb"):
+        assert 0 <= figures[f"{method} recall@far=1e-3"] <= 1
+    for method in ("DP-FedEmb", "DP-FedAvg"):
+        assert 0 <= figures[f"{method} recall@far=1e-3 mean"] <= 1
+        assert figures[f"{method} recall@far=1e-3 std"] >= 0
+    # Same number of examples seen by centralized and federated training.
+    assert (
+        figures["centralized examples"]
+        == figures["non-private FedEmb examples (expected)"]
+    )
+    assert math.isfinite(figures["DP epsilon"]) and figures["DP epsilon"] > 0
+    assert figures["DP delta"] < 1 / figures["DP users"]

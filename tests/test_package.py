@@ -86,3 +86,14 @@ def test_version_is_exposed():
     import kdpemb
 
     assert kdpemb.__version__.count(".") == 2
+
+
+def test_models_are_reachable_from_the_top_level():
+    import kdpemb
+    import kdpemb.models
+
+    for name in kdpemb._MODELS:
+        assert getattr(kdpemb, name) is getattr(kdpemb.models, name)
+        assert name in dir(kdpemb)
+    with pytest.raises(AttributeError, match="no attribute 'NotAModel'"):
+        kdpemb.NotAModel  # noqa: B018

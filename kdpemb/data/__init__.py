@@ -1,10 +1,12 @@
 """Training rounds of virtual clients for user-level DP (DP-FedEmb).
 
 `VirtualClients` groups users into virtual clients, samples them per round
-and yields fixed-shape rounds for `model.fit`. See `docs/data.md`.
+and yields fixed-shape rounds for `model.fit`; `PoissonBatches` samples
+examples for example-level DP-SGD. See `docs/data.md`.
 """
 
 from kdpemb.data.assignment import assign_virtual_clients, user_keys
+from kdpemb.data.poisson_batches import PoissonBatches
 from kdpemb.data.round_size import max_clients_per_round, overflow_probability
 from kdpemb.data.virtual_clients import (
     ClientPlan,
@@ -15,6 +17,7 @@ from kdpemb.data.virtual_clients import (
 
 __all__ = [
     "ClientPlan",
+    "PoissonBatches",
     "ReproducibleSamplingWarning",
     "RoundTruncationError",
     "VirtualClients",

@@ -15,10 +15,11 @@ from keras import ops
 
 from kdpemb import privacy
 from kdpemb.models import backbone_checks, backends, fedemb_round
+from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.privacy import gaussian_sum, protocol, validation
 
 AGGREGATIONS = ("partial", "full")
-_SETTINGS = frozenset(
+_FROZEN_SETTINGS = frozenset(
     {
         "aggregation",
         "num_classes",
@@ -110,7 +111,7 @@ def _default_parallelism():
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
-class FedEmbModel(keras.Model):
+class FedEmbModel(FrozenSettings, keras.Model):
     """An embedding backbone trained with user-level DP-FedEmb or DP-FedAvg.
 
     Train it on `kdpemb.data.VirtualClients` rounds: each `train_step` is
@@ -163,7 +164,7 @@ class FedEmbModel(keras.Model):
         client_optimizer: float or `keras.optimizers.SGD`. Local SGD
             (learning rate, momentum, nesterov). Defaults to `SGD(0.01)`.
         head_lr_scale: float. The head's local learning rate is the
-            client's times this. Defaults to `10`.
+            client's times this. Defaults to `100`, the reference code's value.
         head_init: "zeros" (default) or "random" (N(0, 1/D), fresh per
             client and round); DP-FedEmb only.
         reconstruction_steps: int. First local batches that train only
@@ -199,6 +200,8 @@ class FedEmbModel(keras.Model):
     'user'
     """
 
+    _FROZEN_SETTINGS = _FROZEN_SETTINGS
+
     def __init__(
         self,
         backbone,
@@ -208,7 +211,7 @@ class FedEmbModel(keras.Model):
         num_classes=None,
         local_steps=1,
         client_optimizer=0.01,
-        head_lr_scale=10.0,
+        head_lr_scale=100.0,
         head_init="zeros",
         reconstruction_steps=0,
         clip_norm=1.0,
@@ -335,19 +338,7 @@ class FedEmbModel(keras.Model):
         )
         self._reseed()
         self.built = True
-        self._settings_frozen = True
-
-    def __setattr__(self, name, value):
-        # The traced round bakes these in and the accountant reads them: a
-        # change after construction would make ε describe another training.
-        if name in _SETTINGS and getattr(self, "_settings_frozen", False):
-            raise AttributeError(
-                f"FedEmbModel.{name} is fixed at construction: the rounds "
-                "already traced and the privacy accounting of past rounds "
-                "depend on it. Build a new FedEmbModel (e.g. from "
-                "model.get_config() with the new value, then copy the weights)."
-            )
-        super().__setattr__(name, value)
+        self._freeze_settings()
 
     def _reseed(self):
         # With seed=None the noise comes from OS entropy, drawn afresh at
@@ -488,9 +479,8 @@ class FedEmbModel(keras.Model):
                 f"VirtualClients with max_clients_per_round={size}."
             )
         # Validated: adopt the data's counts (once) and the head width.
-        self._settings_frozen = False
-        self.num_users, self.num_clients = num_users, num_clients
-        self._settings_frozen = True
+        with self._settings_unfrozen():
+            self.num_users, self.num_clients = num_users, num_clients
         # Local heads need one column per identity a client can hold.
         self._head_columns = clients.max_local_classes
 
