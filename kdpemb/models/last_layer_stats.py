@@ -1,0 +1,136 @@
+"""Noisy sufficient statistics and solvers of the closed-form last-layer methods.
+
+NumPy, float64, on the host: the statistics are sums over all examples
+(`X̃ᵀX̃`, per-class sums, the logistic gradient and per-class Hessians),
+each released once with its own Gaussian noise (DESIGN.md section 3).
+Features are first clipped to norm `C_x`; the sensitivities below are for
+adding or removing one example:
+
+| statistic | shape | sensitivity |
+|---|---|---|
+| Gram matrix `X̃ᵀX̃` | d × d | C_x² |
+| per-class sums `X̃ᵀY` (Y one-hot) | d × K | C_x |
+| logistic gradient `X̃ᵀ(P − Y)` | d × K | √2 · C_x |
+| per-class Hessians `X̃ᵀ diag(p_c(1 − p_c)) X̃` | K × d × d | C_x² / 2 |
+
+The gradient bound: one example adds `x (p − y)ᵀ`, whose Frobenius norm is
+`‖x‖ · ‖p − y‖ ≤ C_x √2`. The Hessians: one example adds
+`p_c(1 − p_c) x xᵀ` to class c, so the stack moves by
+`‖x‖² (Σ_c p_c²(1 − p_c)²)^½`, and `Σ_c p_c²(1 − p_c)² ≤ ¼ Σ_c p_c(1 − p_c)
+≤ ¼`. A symmetric matrix gets noise on its upper triangle (diagonal
+included), mirrored: the upper triangle of `x xᵀ` has norm at most
+`‖x xᵀ‖_F = ‖x‖²`, so the sensitivity of the matrix carries over.
+
+Every call of a `noisy_*` function draws fresh noise from `rng`, one
+independent draw per coordinate, per class and per call.
+"""
+
+import numpy as np
+
+GRAM_SENSITIVITY = 1.0  # × C_x²
+CLASS_SUMS_SENSITIVITY = 1.0  # × C_x
+GRADIENT_SENSITIVITY = float(np.sqrt(2.0))  # × C_x
+HESSIANS_SENSITIVITY = 0.5  # × C_x²
+
+_BLOCK = 8192  # Rows per block: bounds the float64 copies of the features.
+
+
+def clip_rows(features, clip_norm):
+    """Rows scaled to L2 norm at most `clip_norm` (float64); None: unchanged.
+
+    >>> clip_rows(np.array([[3.0, 4.0], [0.3, 0.4]]), 1.0).round(2).tolist()
+    [[0.6, 0.8], [0.3, 0.4]]
+    """
+    features = np.asarray(features, dtype=np.float64)
+    if clip_norm is None:
+        return features
+    norms = np.linalg.norm(features, axis=1, keepdims=True)
+    return features * np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))
+
+
+def _blocks(features, clip_norm):
+    for start in range(0, len(features), _BLOCK):
+        yield start, clip_rows(features[start : start + _BLOCK], clip_norm)
+
+
+def gram(features, clip_norm):
+    """`X̃ᵀX̃` of the clipped features, accumulated in float64 blocks."""
+    d = features.shape[1]
+    total = np.zeros((d, d))
+    for _, block in _blocks(features, clip_norm):
+        total += block.T @ block
+    return total
+
+
+def class_sums(features, labels, num_classes, clip_norm):
+    """`X̃ᵀY`: column c is the sum of the clipped features of class c."""
+    total = np.zeros((features.shape[1], num_classes))
+    for start, block in _blocks(features, clip_norm):
+        np.add.at(total.T, labels[start : start + len(block)], block)
+    return total
+
+
+def logistic_statistics(features, labels, weights, clip_norm, hessians=True):
+    """Gradient `X̃ᵀ(P − Y)` [d, K] and per-class Hessians [K, d, d] at `weights`.
+
+    P = softmax(X̃ W). The Hessians are the diagonal blocks of the
+    multinomial logistic Hessian, `X̃ᵀ diag(p_c (1 − p_c)) X̃` per class.
+    """
+    d, num_classes = weights.shape
+    gradient = np.zeros((d, num_classes))
+    blocks = np.zeros((num_classes, d, d)) if hessians else None
+    for start, block in _blocks(features, clip_norm):
+        logits = block @ weights
+        logits -= logits.max(axis=1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=1, keepdims=True)
+        residual = probs.copy()
+        residual[np.arange(len(block)), labels[start : start + len(block)]] -= 1.0
+        gradient += block.T @ residual
+        if hessians:
+            curvature = probs * (1.0 - probs)
+            for c in range(num_classes):
+                blocks[c] += (block * curvature[:, c : c + 1]).T @ block
+    return gradient, blocks
+
+
+def symmetric_noise(rng, size, stddev, count=None):
+    """N(0, stddev²) on the upper triangle (diagonal included), mirrored.
+
+    `count` stacks that many independent matrices ([count, size, size]).
+    """
+    shape = (size, size) if count is None else (count, size, size)
+    upper = np.triu(rng.normal(0.0, stddev, shape))
+    return upper + np.swapaxes(np.triu(upper, 1), -1, -2)
+
+
+def gaussian_noise(rng, shape, stddev):
+    """N(0, stddev²), independent per coordinate (zeros when stddev is 0)."""
+    if stddev == 0:
+        return np.zeros(shape)
+    return rng.normal(0.0, stddev, shape)
+
+
+def make_psd(matrix, floor=0.0):
+    """The symmetric matrix with eigenvalues below `floor` raised to it.
+
+    Noise can make a released Gram matrix or Hessian indefinite; solving
+    with it would then amplify noise without bound. Post-processing, so
+    it costs no privacy.
+
+    >>> make_psd(np.array([[1.0, 0.0], [0.0, -2.0]])).tolist()
+    [[1.0, 0.0], [0.0, 0.0]]
+    """
+    matrix = (matrix + np.swapaxes(matrix, -1, -2)) / 2
+    values, vectors = np.linalg.eigh(matrix)
+    values = np.maximum(values, floor)
+    return (vectors * values[..., None, :]) @ np.swapaxes(vectors, -1, -2)
+
+
+def solve_ridge(matrix, right_hand_side, ridge):
+    """`(matrix + ridge · I)⁻¹ right_hand_side`; a least-squares solve if singular."""
+    system = matrix + ridge * np.eye(matrix.shape[-1])
+    try:
+        return np.linalg.solve(system, right_hand_side)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(system, right_hand_side, rcond=None)[0]
