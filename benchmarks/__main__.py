@@ -18,6 +18,7 @@ BENCHMARKS = {
     "accounting": "benchmarks.accounting",
     "data": "benchmarks.data_pipeline",
     "fedemb": "benchmarks.fedemb",
+    "last_layer": "benchmarks.last_layer",
     "verification": "benchmarks.verification",
 }
 

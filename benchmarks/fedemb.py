@@ -41,12 +41,12 @@ import json
 import math
 import statistics
 import sys
-import time
 import warnings
 
 import keras
 import numpy as np
 
+from benchmarks.timing import gpu_available, time_fit, timed
 from kdpemb.data import VirtualClients
 from kdpemb.datasets import synthetic_identities
 from kdpemb.metrics import recall_at_far
@@ -200,12 +200,6 @@ def _evaluation(config):
     return _identities(config, config.eval_identities, config.eval_images, first)[:2]
 
 
-def _timed(function, *args, **kwargs):
-    start = time.perf_counter()
-    result = function(*args, **kwargs)
-    return result, time.perf_counter() - start
-
-
 def _record(figures, name, backbone, evaluation):
     for far, value in zip(FARS, _recalls(backbone, evaluation), strict=True):
         figures[f"{name} recall@far={far:.0e}".replace("e-0", "e-")] = value
@@ -223,7 +217,7 @@ def non_private(config, evaluation=None):
         optimizer=keras.optimizers.Adam(config.centralized_lr),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    _, seconds = _timed(
+    _, seconds = timed(
         centralized.fit,
         train[0],
         train[1],
@@ -235,7 +229,7 @@ def non_private(config, evaluation=None):
     figures["centralized examples"] = config.centralized_examples
     figures["centralized seconds"] = seconds
 
-    (model, _), seconds = _timed(
+    (model, _), seconds = timed(
         _fedemb,
         config,
         train,
@@ -262,7 +256,7 @@ def dp_run(config, seed, aggregation, evaluation=None):
     """One DP-FedEmb ("partial") or DP-FedAvg ("full") run: recall and ε."""
     evaluation = evaluation or _evaluation(config)
     train = _identities(config, config.dp_identities, config.dp_images_per_identity)
-    (model, clients), seconds = _timed(
+    (model, clients), seconds = timed(
         _fedemb,
         config,
         train,
@@ -432,12 +426,6 @@ def _full_round(config, clients_per_round, seed=0):
     return clients, element
 
 
-def _time_fit(model, data, **kwargs):
-    start = time.perf_counter()
-    model.fit(data, verbose=0, **kwargs)
-    return time.perf_counter() - start
-
-
 def _round_against_centralized(config, clients_per_round, parallelism, batch):
     """Seconds per round and per M·S·B examples of centralized training."""
     clients, element = _full_round(config, clients_per_round)
@@ -471,30 +459,17 @@ def _round_against_centralized(config, clients_per_round, parallelism, batch):
     images = np.concatenate([images] * config.rounds)
     labels = np.concatenate([labels] * config.rounds)
     # Warm-up: tracing and compilation.
-    _time_fit(fedemb, _SameRound(element, 1))
-    _time_fit(centralized, images[:batch], y=labels[:batch], batch_size=batch)
+    time_fit(fedemb, _SameRound(element, 1))
+    time_fit(centralized, images[:batch], y=labels[:batch], batch_size=batch)
     fed, central = [], []
     for _ in range(config.repeats):
-        fed.append(_time_fit(fedemb, rounds) / config.rounds)
+        fed.append(time_fit(fedemb, rounds) / config.rounds)
         central.append(
-            _time_fit(centralized, images, y=labels, batch_size=batch, shuffle=False)
+            time_fit(centralized, images, y=labels, batch_size=batch, shuffle=False)
             / config.rounds
         )
     examples = element["example_mask"].sum()
     return statistics.median(fed), statistics.median(central), int(examples)
-
-
-def _gpu():
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return jax.default_backend() == "gpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return bool(tf.config.list_physical_devices("GPU"))
-    return False
 
 
 def speed(quick=False, config=None):
@@ -504,7 +479,7 @@ def speed(quick=False, config=None):
     cpu_ratio = "CPU: round time / centralized time (goal <= 1.2)"
     gpu_ratio = "GPU: round / centralized examples/s (goal >= 0.5)"
     figures, ratios = {}, {}
-    if _gpu():
+    if gpu_available():
         figures["CPU"] = ratios[cpu_ratio] = "skipped: the backend runs on a GPU"
         m = config.gpu_clients_per_round
         round_s, central_s, examples = _round_against_centralized(

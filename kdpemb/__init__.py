@@ -33,7 +33,7 @@ _SUBMODULES = (
 )
 
 # The models, also reachable from the top level (`kdpemb.FedEmbModel`).
-_MODELS = ("CentralizedBaseline", "FedEmbModel")
+_MODELS = ("CentralizedBaseline", "FedEmbModel", "LastLayerDPClassifier")
 
 __all__ = ["__version__", *_SUBMODULES, *_MODELS]
 

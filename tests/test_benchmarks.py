@@ -6,6 +6,7 @@ import math
 import pytest
 
 from benchmarks import __main__ as runner
+from benchmarks.timing import gpu_available
 
 
 def test_accounting_benchmark_prints_figures_and_ratios_as_json(capsys):
@@ -47,9 +48,9 @@ def test_fedemb_benchmark_times_a_round_against_the_same_centralized_steps():
     result = fedemb.speed(quick=True)
     cpu = result["ratios"]["CPU: round time / centralized time (goal <= 1.2)"]
     gpu = result["ratios"]["GPU: round / centralized examples/s (goal >= 0.5)"]
-    measured = gpu if fedemb._gpu() else cpu
+    measured = gpu if gpu_available() else cpu
     assert math.isfinite(measured) and measured > 0
-    if not fedemb._gpu():
+    if not gpu_available():
         assert gpu == "no GPU"
         assert result["figures"]["CPU: examples per round"] == 2 * 2 * 4  # M·S·B
 
@@ -72,3 +73,24 @@ def test_fedemb_benchmark_reports_recall_of_each_method_and_epsilon():
     )
     assert math.isfinite(figures["DP epsilon"]) and figures["DP epsilon"] > 0
     assert figures["DP delta"] < 1 / figures["DP users"]
+
+
+def test_last_layer_benchmark_times_a_dp_sgd_step_and_dp_ls():
+    from benchmarks import last_layer
+
+    assert runner.BENCHMARKS["last_layer"] == "benchmarks.last_layer"
+    result = last_layer.speed(quick=True)
+    device = "GPU" if gpu_available() else "CPU"
+    assert set(result["ratios"]) == {
+        f"{device}: DP-SGD step / non-private step (goal <= 1.3)",
+        f"{device}: DP-LS seconds / 10 s (goal < 1)",
+    }
+    numbers = {k: v for k, v in result["figures"].items() if k != "GPU"}
+    assert len(numbers) == 3
+    assert any("DP-SGD step" in k for k in numbers)
+    assert any("non-private Dense step" in k for k in numbers)
+    assert any("DP-LS fit, 2,000 x 32, 10 classes" in k for k in numbers)
+    for value in [*numbers.values(), *result["ratios"].values()]:
+        assert math.isfinite(value) and value > 0
+    if device == "CPU":
+        assert result["figures"]["GPU"] == "no GPU"

@@ -46,7 +46,8 @@ def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
         ("datasets", "data.md"),
         ("metrics", "evaluation.md"),
         ("plots", "evaluation.md"),
-        ("models", "fedemb.md"),
+        ("models", ("fedemb.md", "last_layer.md")),
+        ("features", "last_layer.md"),
     ],
 )
 def test_every_public_name_is_documented(module, page):

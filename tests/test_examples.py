@@ -64,3 +64,36 @@ def test_train_dp_fedemb_example_reports_epsilon_recall_and_saves_the_backbone(
     assert "epoch 4/4" in out  # RichProgress's plain line per epoch.
     backbone = keras.saving.load_model(output)
     assert backbone.output_shape == (None, 32)
+
+
+@pytest.mark.slow
+def test_last_layer_dp_example_prints_accuracy_per_method_and_epsilon(tmp_path):
+    import keras
+
+    import kdpemb.models  # noqa: F401  (registers ClipFeatures for loading)
+    from kdpemb.datasets import DatasetNotFoundError, load_fashion_mnist
+
+    try:
+        load_fashion_mnist(download=False)
+    except DatasetNotFoundError:
+        pytest.skip(
+            "Fashion-MNIST is not installed: apt-get install dataset-fashion-mnist"
+        )
+    output = tmp_path / "classifier.keras"
+    out = run_example(
+        "last_layer_dp.py", "--quick", "--epsilons", "1",
+        "--cache", str(tmp_path / "cache"), "--output", str(output),
+    )  # fmt: skip
+    header = next(line for line in out.splitlines() if line.startswith("method"))
+    assert header.split()[1:] == ["ε", "=", "1", "no", "noise"]
+    rows = {
+        line.split()[0]: [float(v) for v in line.split()[1:]]
+        for line in out.splitlines()
+        if line.startswith("DP-")
+    }
+    assert set(rows) == {"DP-SGD", "DP-LS", "DP-Newton", "DP-FC"}
+    assert all(len(v) == 2 and all(0 <= a <= 1 for a in v) for v in rows.values())
+    assert "-DP per example" in out and "Gram matrix" in out
+    classifier = keras.saving.load_model(output)
+    assert classifier.input_shape == (None, 28, 28, 1)
+    assert classifier.output_shape == (None, 10)

@@ -4,12 +4,20 @@ from kdpemb.models.backbone_checks import UnsupportedLayerError, check_backbone
 from kdpemb.models.backbones import small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
 from kdpemb.models.fedemb import FedEmbModel, ReproducibleNoiseWarning
+from kdpemb.models.last_layer import (
+    ClipFeatures,
+    LastLayerDPClassifier,
+    dense_gradient_norms,
+)
 
 __all__ = [
     "CentralizedBaseline",
+    "ClipFeatures",
     "FedEmbModel",
+    "LastLayerDPClassifier",
     "ReproducibleNoiseWarning",
     "UnsupportedLayerError",
     "check_backbone",
+    "dense_gradient_norms",
     "small_cnn",
 ]

@@ -16,6 +16,7 @@ from keras import ops
 from kdpemb import privacy
 from kdpemb.models import backbone_checks, backends, fedemb_round
 from kdpemb.models.frozen_settings import FrozenSettings
+from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import gaussian_sum, protocol, validation
 
 AGGREGATIONS = ("partial", "full")
@@ -111,7 +112,7 @@ def _default_parallelism():
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
-class FedEmbModel(FrozenSettings, keras.Model):
+class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
     """An embedding backbone trained with user-level DP-FedEmb or DP-FedAvg.
 
     Train it on `kdpemb.data.VirtualClients` rounds: each `train_step` is
@@ -393,14 +394,6 @@ class FedEmbModel(FrozenSettings, keras.Model):
             )
         kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, **kwargs)
-
-    def compile_from_config(self, config):
-        """Restores the server optimizer when a saved model is loaded."""
-        config = keras.saving.deserialize_keras_object(config)
-        config.pop("loss", None)
-        self.compile(**config)
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
 
     def fit(self, x=None, *args, **kwargs):
         """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients` (or its

@@ -33,6 +33,7 @@ from kdpemb.models import backends
 from kdpemb.models import last_layer_stats as stats
 from kdpemb.models.fedemb import ReproducibleNoiseWarning
 from kdpemb.models.frozen_settings import FrozenSettings
+from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import gaussian_sum, protocol, validation
 
 METHODS = ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")
@@ -74,7 +75,7 @@ def dense_gradient_norms(features, residuals, use_bias=True):
         use_bias: bool.
 
     Returns:
-        [B] norms.
+        [B] norms, in the wider of the two inputs' float dtypes.
 
     Example:
 
@@ -83,6 +84,12 @@ def dense_gradient_norms(features, residuals, use_bias=True):
     >>> ops.convert_to_numpy(norms).tolist()
     [5.0]
     """
+    features, residuals = (
+        ops.convert_to_tensor(features),
+        ops.convert_to_tensor(residuals),
+    )
+    dtype = keras.backend.result_type(features.dtype, residuals.dtype, float)
+    features, residuals = ops.cast(features, dtype), ops.cast(residuals, dtype)
     squared_x = ops.sum(ops.square(features), axis=-1)
     if use_bias:
         squared_x = squared_x + 1.0
@@ -90,7 +97,7 @@ def dense_gradient_norms(features, residuals, use_bias=True):
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
-class LastLayerDPClassifier(FrozenSettings, keras.Model):
+class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     """A linear classifier on frozen features with example-level DP.
 
     Args:
@@ -449,14 +456,6 @@ class LastLayerDPClassifier(FrozenSettings, keras.Model):
         kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, **kwargs)
 
-    def compile_from_config(self, config):
-        """Restores the optimizer when a saved classifier is loaded."""
-        config = keras.saving.deserialize_keras_object(config)
-        config.pop("loss", None)
-        self.compile(**config)
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
-
     def fit(
         self,
         x=None,
@@ -571,19 +570,8 @@ class LastLayerDPClassifier(FrozenSettings, keras.Model):
         return [self._loss_mean, self._accuracy_mean]
 
     def test_step(self, *args):
-        if keras.backend.backend() != "jax":
-            (data,) = args
-            return self._test_batch(data)
-        (trainable, non_trainable, metrics_values), data = args
-        mapping = [
-            *zip(self.trainable_variables, trainable, strict=True),
-            *zip(self.non_trainable_variables, non_trainable, strict=True),
-            *zip(self.metrics_variables, metrics_values, strict=True),
-        ]
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            logs = self._test_batch(data)
-        metrics_values = [scope.get_current_value(v) for v in self.metrics_variables]
-        return logs, (trainable, non_trainable, metrics_values)
+        # TensorFlow calls test_step(data); JAX calls test_step(state, data).
+        return backends.current().test_step(self, args, self._test_batch)
 
     def _test_batch(self, data):
         features, labels = data[0], data[1]

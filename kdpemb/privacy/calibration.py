@@ -136,14 +136,20 @@ def _bracket(epsilon_at, target, start, z_min, z_max, epsilon_at_max):
         if not up and z <= z_min:
             return None, (z, eps)  # Even the smallest multiplier meets it.
         step = math.log(1.1)
-        if previous is not None and math.isfinite(eps) and eps != previous[1]:
-            slope = (math.log(eps) - math.log(previous[1])) / (
+        log_eps = _log_epsilon(eps)
+        if (
+            previous is not None
+            and math.isfinite(log_eps)
+            and math.isfinite(_log_epsilon(previous[1]))
+            and eps != previous[1]
+        ):
+            slope = (log_eps - _log_epsilon(previous[1])) / (
                 math.log(z) - math.log(previous[0])
             )
             if slope < 0:
                 step = (
                     min(
-                        max(abs((math.log(eps) - log_target) / slope), 0.01),
+                        max(abs((log_eps - log_target) / slope), 0.01),
                         math.log(2.0),
                     )
                     * 1.05
@@ -153,12 +159,20 @@ def _bracket(epsilon_at, target, start, z_min, z_max, epsilon_at_max):
         eps = epsilon_at_max if z == z_max else epsilon_at(z)
 
 
+def _log_epsilon(eps):
+    """log ε, with ε = 0 (an accountant's answer for very large noise) as -inf
+    and a non-finite ε as +inf."""
+    if not math.isfinite(eps):
+        return math.inf
+    return math.log(eps) if eps > 0 else -math.inf
+
+
 def _regula_falsi(epsilon_at, target, low, high, rtol, max_iterations=100):
     """Illinois regula falsi on f(log z) = log ε - log target."""
     log_target = math.log(target)
 
     def f(eps):
-        return math.log(eps) - log_target if math.isfinite(eps) else math.inf
+        return _log_epsilon(eps) - log_target
 
     (z_low, eps_low), (z_high, eps_high) = low, high
     f_low, f_high = f(eps_low), f(eps_high)
@@ -167,7 +181,7 @@ def _regula_falsi(epsilon_at, target, low, high, rtol, max_iterations=100):
         if eps_high >= (1 - rtol) * target or z_high / z_low - 1 < 1e-9:
             break
         x_low, x_high = math.log(z_low), math.log(z_high)
-        if math.isfinite(f_low) and f_low != f_high:
+        if math.isfinite(f_low) and math.isfinite(f_high) and f_low != f_high:
             x = x_high - f_high * (x_high - x_low) / (f_high - f_low)
             margin = 0.01 * (x_high - x_low)
             x = min(max(x, x_low + margin), x_high - margin)

@@ -101,6 +101,15 @@ def test_dense_gradient_norms_equal_per_example_autodiff(use_bias):
     np.testing.assert_allclose(norms, brute, rtol=1e-5)
 
 
+def test_dense_gradient_norms_take_mixed_dtypes():
+    features = np.array([[3.0, 4.0], [0.0, 1.0]], "float32")
+    residuals = np.array([[0.5, -0.5], [1.0, 0.0]])  # float64
+    norms = ref.to_numpy(dense_gradient_norms(features, residuals))
+    np.testing.assert_allclose(norms, [math.sqrt(0.5 * 26), math.sqrt(2)], rtol=1e-6)
+    norms = ref.to_numpy(dense_gradient_norms(features.astype("int32"), residuals))
+    np.testing.assert_allclose(norms, [math.sqrt(0.5 * 26), math.sqrt(2)], rtol=1e-6)
+
+
 def test_a_dp_sgd_step_adds_the_individually_clipped_autodiff_gradients():
     # One full-batch step with SGD(1.0) and z = 0 from a random head moves
     # the head by −(Σ_i clip(g_i)) / N, g_i each example's autodiff gradient
@@ -162,6 +171,36 @@ def test_dp_sgd_without_noise_is_full_batch_gradient_descent(feature_clip_norm):
         predict(model, features), clipped @ kernel + bias, rtol=1e-4, atol=1e-5
     )
     assert steps_of(model) == epochs
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda: keras.optimizers.Lamb(0.1), lambda: keras.optimizers.Adam(0.05)],
+    ids=["lamb", "adam"],
+)
+def test_dp_sgd_hands_its_mean_gradient_to_any_keras_optimizer(make_optimizer):
+    # DP-LAMB is DP-SGD compiled with Lamb: without noise or clipping, its
+    # full-batch steps must be Keras' own Lamb (or Adam) steps on the mean
+    # softmax cross-entropy of a zero-initialised Dense head.
+    # 37 examples: no class holds exactly 1/4 of them, so no first-step bias
+    # gradient is zero (whose sign an adaptive step would amplify from noise).
+    features, labels = make_data(n=37, dim=6, num_classes=4, seed=5)
+    model = make_model(4, optimizer=make_optimizer())
+    model.fit(features, labels, epochs=3, verbose=0)
+    plain = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(4, kernel_initializer="zeros")]
+    )
+    plain.compile(
+        optimizer=make_optimizer(),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    plain.fit(features, labels, batch_size=37, epochs=3, shuffle=False, verbose=0)
+    kernel, bias = (ref.to_numpy(w) for w in plain.layers[0].weights)
+    assert np.abs(kernel).max() > 0.05
+    # Adaptive steps divide by root mean squares of gradients near zero, so
+    # float32 summation order shows at 1e-4; a wrong gradient moves 1e-2.
+    np.testing.assert_allclose(kernel_of(model), kernel, rtol=2e-3, atol=3e-4)
+    np.testing.assert_allclose(bias_of(model), bias, rtol=2e-3, atol=3e-4)
 
 
 def test_poisson_dp_sgd_divides_by_the_expected_batch_size_and_pads_overflows(

@@ -68,3 +68,17 @@ def test_calibration_validates_its_inputs():
         privacy.calibrate_noise_multiplier(
             privacy.zcdp(0.1, 1_000), 1.0, 1e-6, 10, accountant="rdp"
         )
+
+
+def test_a_tiny_target_that_the_accountant_rounds_to_zero_is_calibrated():
+    # At q = 1e-4 the PLD accountant reports ε = 0 exactly for z >= 100; the
+    # search passes through such points and must not take log(0).
+    mechanism = privacy.dp_sgd(1.0, 10, 100_000)
+    assert (
+        privacy.Accountant(mechanism.with_noise_multiplier(1000.0)).epsilon(1e-6, 1)
+        == 0.0
+    )
+    for target in (1e-4, 1e-3):
+        z = privacy.calibrate_noise_multiplier(mechanism, target, 1e-6, 1)
+        spent = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-6, 1)
+        assert 0.9 * target <= spent <= target

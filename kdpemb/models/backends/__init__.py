@@ -12,6 +12,7 @@ differ between backends live here, the way Keras splits its own trainers:
   the others, so that summing the replicas' updates adds it exactly once.
 - `train_step(model, args, step)`: calls `step(data)` with the model's
   variables live: directly on TensorFlow, inside a `StatelessScope` on JAX.
+- `test_step(model, args, step)`: the same for evaluation.
 """
 
 import importlib

@@ -34,6 +34,27 @@ def train_step(model, args, step):
         model.optimizer.variables,
         model.metrics_variables,
     )
+    return _stateless(groups, state, step, data)
+
+
+def test_step(model, args, step):
+    """Runs `step(data)` with the evaluation state Keras passes in.
+
+    JAX calls `test_step(state, data)` with `state` = (trainable,
+    non-trainable, metrics variable values); only the metrics change.
+    """
+    state, data = args
+    groups = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.metrics_variables,
+    )
+    return _stateless(groups, state, step, data)
+
+
+def _stateless(groups, state, step, data):
+    """`step(data)` inside a `StatelessScope` mapping `groups` to `state`;
+    returns its logs and the groups' new values."""
     mapping = [
         pair
         for variables, values in zip(groups, state, strict=True)

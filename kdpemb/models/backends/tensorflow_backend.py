@@ -52,3 +52,8 @@ def train_step(model, args, step):
     """TensorFlow calls `train_step(data)` with live variables."""
     (data,) = args
     return step(data)
+
+
+def test_step(model, args, step):
+    """TensorFlow calls `test_step(data)` with live variables."""
+    return train_step(model, args, step)
