@@ -123,7 +123,7 @@ class PrivacyStatement:
             head = "NO differential privacy guarantee (ε = ∞: no noise)"
         parts = [
             f"{head} per {self.unit} ({self.relation_description})",
-            f"{self.steps} steps",
+            f"{self.steps} step{'' if self.steps == 1 else 's'}",
             f"sampling: {self.sampling_description}",
         ]
         if self.noise_multiplier is not None:

@@ -63,3 +63,10 @@ def test_statement_refuses_an_accountant_of_another_mechanism():
         privacy.PrivacyStatement.compute(
             privacy.dp_sgd(2.0, 10, 1_000), 5, 1e-5, accountant
         )
+
+
+def test_a_single_step_is_stated_in_the_singular():
+    mechanism = privacy.full_batch(2.0, 1_000, clip_norm=1.0)
+    one = privacy.PrivacyStatement.compute(mechanism, 1, 1e-6).summary()
+    two = privacy.PrivacyStatement.compute(mechanism, 2, 1e-6).summary()
+    assert "; 1 step;" in one and "; 2 steps;" in two
