@@ -921,6 +921,26 @@ def test_poisson_batches_mask_each_sampled_example_once():
         np.testing.assert_array_equal(mask, np.ones(n, "float32"))
 
 
+def test_poisson_batches_include_examples_independently_of_each_other():
+    # Joint inclusion of two examples must be q², as for independent draws.
+    # Neighbouring indices are where a sampler that draws windows, blocks
+    # or strides would show (a window of the same size gives about q).
+    n, b, steps = 50, 10, 2000
+    features, labels = identified(n)
+    batches = PoissonBatches(features, labels, b, steps, seed=2)
+    included = np.zeros((steps, n))
+    for i in range(steps):
+        _, batch_labels, mask = batches[i]
+        included[i, batch_labels[mask == 1]] = 1
+    q = b / n
+    neighbours = np.sum(included[:, :-1] * included[:, 1:])
+    pairs = (n - 1) * steps
+    assert abs(neighbours - pairs * q**2) < 5 * math.sqrt(pairs * q**2 * (1 - q**2))
+    apart = np.sum(included[:, : n // 2] * included[:, n // 2 :])
+    pairs = (n // 2) * steps
+    assert abs(apart - pairs * q**2) < 5 * math.sqrt(pairs * q**2 * (1 - q**2))
+
+
 def test_an_overflowing_poisson_batch_is_padded_not_truncated():
     n, b = 200, 20
     features, labels = identified(n)
