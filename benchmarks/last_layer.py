@@ -34,7 +34,8 @@ Speed (`speed()`), measured in one run after a warm-up, alternating the
 two, median of repeats:
 
 - a DP-SGD step of `LastLayerDPClassifier.fit` (Poisson batches of
-  expected size B, padded to a fixed bound) against a step of a plain
+  expected size B, gathered on the device from indices) against a step
+  of a plain
   `Dense` head's `fit` (shuffled batches of B) with the same optimizer, on
   the same random features (goal: at most 1.3×);
 - DP-LS on 100,000 × 512 random features with 100 classes: seconds of one
@@ -581,7 +582,7 @@ class SpeedConfig:
     dim: int = 512
     num_classes: int = 100
     batch_size: int = 1_024
-    epochs: int = 3  # Per timed fit, so that fit's own set-up is amortised.
+    epochs: int = 6  # Per timed fit, so that fit's own set-up is amortised.
     repeats: int = 5
     learning_rate: float = 0.1
     ls_examples: int = 100_000

@@ -1,13 +1,25 @@
-"""Poisson-sampled, fixed-shape batches of examples for example-level DP-SGD.
+"""Poisson-sampled, padded batches of examples for example-level DP-SGD.
 
 DP-SGD's accounting assumes that every example joins every step
 independently with probability q = B / N (Poisson sampling), so a batch
-has a random size. A compiled `train_step` wants a fixed shape: each batch
-is padded to a static bound B_max (exceeded with probability at most
-1e-9 per step), and a mask marks the real examples. A batch that would
-exceed B_max is not truncated (that would change the sampling the
-accountant assumes): it is padded to a larger shape instead, at the cost of
-one more trace.
+has a random size. A compiled `train_step` wants few shapes, so batches
+are padded and a mask marks the real examples (`padding`):
+
+- "bound": every batch to one static bound B_max, exceeded with
+  probability at most 1e-9 per step (one shape; about 6 standard
+  deviations of the size are padding).
+- "multiple": to the next multiple of a power of two of about two
+  standard deviations of the size (a handful of shapes, one compilation
+  each; a few percent of padding).
+- "none": not at all (for a graph that takes any batch size).
+
+A batch is never truncated (that would change the sampling the
+accountant assumes): one above B_max is padded to a larger shape, at the
+cost of one more trace.
+
+`PoissonIndices` yields the sampled indices, for a train step that gathers
+the rows from data already on the device (a few kilobytes per step cross
+to the device); `PoissonBatches` gathers the rows on the host.
 """
 
 import math
@@ -19,37 +31,46 @@ import numpy as np
 
 from kdpemb.data.round_size import max_clients_per_round
 
+PADDINGS = ("bound", "multiple", "none")
 
-class PoissonBatches(keras.utils.PyDataset):
-    """`steps` batches `(features, labels, mask)`, each example with prob. q.
 
-    A `keras.utils.PyDataset`, so it is the `x` of `model.fit`. The mask
-    (float32, 1 for a sampled example, 0 for padding) arrives in
-    `train_step` as the sample weight.
+class PoissonIndices(keras.utils.PyDataset):
+    """`steps` batches `(indices, mask)`, each of N examples with prob. q.
+
+    A `keras.utils.PyDataset`, so it is the `x` of `model.fit`. `indices`
+    (int32; int64 beyond 2³¹ − 1 examples) lists the sampled examples in
+    increasing order, then zeros up to the padded size; `mask` (float32, 1
+    for a sampled example, 0 for padding) marks which entries are real.
 
     Args:
-        features: array [N, ...].
-        labels: int array [N].
+        num_examples: int. N.
         batch_size: int or None. Expected batch size B (q = B / N). None:
             every example in one batch per step (q = 1).
         steps: int. Batches per epoch.
         seed: int or None. None draws the sampling from OS entropy.
+        padding: "bound" (default), "multiple" or "none"; see the module.
 
     Example:
 
-    >>> batches = PoissonBatches(np.zeros((1000, 4)), np.zeros(1000, "int32"),
-    ...                          batch_size=50, steps=3, seed=0)
-    >>> features, labels, mask = batches[0]
-    >>> features.shape == (batches.max_batch_size, 4), len(batches)
+    >>> batches = PoissonIndices(1000, batch_size=50, steps=3, seed=0)
+    >>> indices, mask = batches[0]
+    >>> indices.shape == mask.shape == (batches.max_batch_size,), len(batches)
     (True, 3)
+    >>> bool(np.all(np.diff(indices[mask == 1]) > 0))
+    True
     """
 
-    def __init__(self, features, labels, batch_size, steps, seed=None):
+    def __init__(self, num_examples, batch_size, steps, seed=None, padding="bound"):
         super().__init__()
-        self.features, self.labels = features, labels
-        self.num_examples = len(features)
+        if padding not in PADDINGS:
+            raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}.")
+        self.padding = padding
+        self.num_examples = int(num_examples)
         self.batch_size = batch_size
         self.steps = int(steps)
+        self.index_dtype = np.dtype(
+            np.int32 if self.num_examples <= np.iinfo(np.int32).max else np.int64
+        )
         if batch_size is None:
             self.sampling_probability = 1.0
             self.max_batch_size = self.num_examples
@@ -58,6 +79,9 @@ class PoissonBatches(keras.utils.PyDataset):
             self.max_batch_size = max_clients_per_round(
                 self.num_examples, self.sampling_probability, tolerance=1e-9
             )
+        q = self.sampling_probability
+        spread = 2 * math.sqrt(self.num_examples * q * (1 - q))
+        self.size_multiple = 2 ** max(3, math.ceil(math.log2(max(spread, 1.0))))
         self._rng = np.random.default_rng(
             secrets.randbits(128) if seed is None else seed
         )
@@ -67,22 +91,33 @@ class PoissonBatches(keras.utils.PyDataset):
         return self.steps
 
     def __getitem__(self, index):
+        return self.sample(index)
+
+    def sample(self, index):
+        """Batch `index`: a fresh Poisson sample, as `(indices, mask)`."""
         if index >= self.steps:
             raise IndexError(index)
         if self.batch_size is None:
             chosen = np.arange(self.num_examples)
         else:
-            chosen = np.sort(self._sample())
-        size = self.max_batch_size
-        if len(chosen) > size:  # Probability <= 1e-9: a larger shape, same batch.
-            size = 128 * math.ceil(len(chosen) / 128)
-        padded = np.zeros(size, dtype=np.int64)
-        padded[: len(chosen)] = chosen
+            chosen = np.sort(self._draw())
+        size = self._padded_size(len(chosen))
+        indices = np.zeros(size, dtype=self.index_dtype)
+        indices[: len(chosen)] = chosen
         mask = np.zeros(size, dtype=np.float32)
         mask[: len(chosen)] = 1.0
-        return self.features[padded], self.labels[padded], mask
+        return indices, mask
 
-    def _sample(self):
+    def _padded_size(self, size):
+        if self.padding == "none" or self.batch_size is None:
+            return size
+        if self.padding == "multiple":
+            return self.size_multiple * max(1, math.ceil(size / self.size_multiple))
+        if size > self.max_batch_size:  # Probability <= 1e-9: a larger shape.
+            return 128 * math.ceil(size / 128)
+        return self.max_batch_size
+
+    def _draw(self):
         """Indices of a Poisson sample, drawn in O(B) rather than O(N).
 
         N independent draws with probability q give a Binomial(N, q)
@@ -93,3 +128,32 @@ class PoissonBatches(keras.utils.PyDataset):
         with self._lock:
             size = self._rng.binomial(self.num_examples, self.sampling_probability)
             return self._rng.choice(self.num_examples, size, replace=False)
+
+
+class PoissonBatches(PoissonIndices):
+    """`steps` batches `(features, labels, mask)`, each example with prob. q.
+
+    `PoissonIndices` with the sampled rows gathered on the host (padding
+    rows repeat example 0 and are masked out).
+
+    Args:
+        features: array [N, ...].
+        labels: int array [N].
+        batch_size, steps, seed, padding: as for `PoissonIndices`.
+
+    Example:
+
+    >>> batches = PoissonBatches(np.zeros((1000, 4)), np.zeros(1000, "int32"),
+    ...                          batch_size=50, steps=3, seed=0)
+    >>> features, labels, mask = batches[0]
+    >>> features.shape == (batches.max_batch_size, 4), len(batches)
+    (True, 3)
+    """
+
+    def __init__(self, features, labels, batch_size, steps, seed=None, padding="bound"):
+        super().__init__(len(features), batch_size, steps, seed=seed, padding=padding)
+        self.features, self.labels = features, labels
+
+    def __getitem__(self, index):
+        indices, mask = self.sample(index)
+        return self.features[indices], self.labels[indices], mask

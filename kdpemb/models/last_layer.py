@@ -31,6 +31,7 @@ from keras import ops
 from kdpemb import privacy
 from kdpemb.models import backends
 from kdpemb.models import last_layer_stats as stats
+from kdpemb.models.device_rows import DeviceRows
 from kdpemb.models.fedemb import ReproducibleNoiseWarning
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
@@ -277,6 +278,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if seed is None:
             gaussian_sum.reseed_from_entropy(self.noise_seed)
         self.covariance = None
+        self._rows = DeviceRows()  # DP-SGD's training rows; never saved.
         self._loss_mean = keras.metrics.Mean(name="loss")
         self._accuracy_mean = keras.metrics.Mean(name="accuracy")
         self._freeze_settings()
@@ -284,6 +286,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     def build(self, input_shape):
         dim = int(input_shape[-1])
         self.head.build((None, dim))
+        if self.clip_features is not None:
+            self.clip_features.build((None, dim))
         if self.method == "dp-fc":
             # The released covariance is model state: a resumed fit reuses
             # it instead of releasing (and paying for) it again.
@@ -505,11 +509,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if self.method == "dp-sgd":
             self._denominator = float(batch_size or len(features))
             seed = None if self.seed is None else [self.seed, self._steps_taken()]
-            from kdpemb.data.poisson_batches import PoissonBatches
-
-            batches = PoissonBatches(
-                features, labels, batch_size, steps_per_epoch, seed=seed
-            )
+            batches = self._batches(features, labels, batch_size, steps_per_epoch, seed)
             return super().fit(
                 batches,
                 epochs=epochs,
@@ -524,6 +524,29 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             features, labels, epochs, initial_epoch, verbose, callbacks
         )
 
+    def _batches(self, features, labels, batch_size, steps, seed):
+        """DP-SGD's Poisson batches: indices of rows kept on the device, or
+        rows gathered on the host when the device has no room for them."""
+        from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices
+
+        backend = backends.current()
+        if self._rows.hold(features, labels):
+            sampler = PoissonIndices(
+                len(features), batch_size, steps, seed, backend.BATCH_PADDING
+            )
+            batches = self._rows.batches(sampler)
+        else:
+            warnings.warn(
+                f"The {features.nbytes / 2**20:.0f} MiB of features do not fit "
+                "in device memory: each DP-SGD step gathers its batch on the "
+                "host instead, which is slower.",
+                stacklevel=3,
+            )
+            batches = PoissonBatches(features, labels, batch_size, steps, seed=seed)
+        if self._rows.retrace:  # The step reads its rows another way now.
+            self.train_function = None
+        return batches
+
     def _steps_taken(self):
         return int(keras.ops.convert_to_numpy(self.private_steps.value))
 
@@ -532,7 +555,19 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         return backends.current().train_step(self, args, self._dp_sgd_step)
 
     def _dp_sgd_step(self, data):
-        features, labels, mask = data
+        features, labels, mask = (
+            self._rows.gather(data) if self._rows.on_device else data
+        )
+        stddev = self.schedule["noise_multiplier"] * self.clip_norm
+        noise = None
+        if stddev > 0:
+            # Fresh, independent draws for every coordinate and step: the
+            # kernel's rows, then the bias.
+            noise = keras.random.normal(
+                (self.head.kernel.shape[0] + 1, self.num_classes),
+                stddev=stddev,
+                seed=self.noise_seed,
+            )
         features = ops.cast(features, "float32")
         if self.clip_features is not None:
             features = self.clip_features(features)
@@ -544,16 +579,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         norms = dense_gradient_norms(features, residuals, use_bias=True)
         scale = ops.minimum(1.0, self.clip_norm / ops.maximum(norms, 1e-30))
         clipped = residuals * scale[:, None]
-        grad_kernel = ops.matmul(ops.transpose(features), clipped)
+        grad_kernel = ops.einsum("bd,bk->dk", features, clipped)
         grad_bias = ops.sum(clipped, axis=0)
-        stddev = self.schedule["noise_multiplier"] * self.clip_norm
-        if stddev > 0:  # Fresh, independent draws for every coordinate and step.
-            grad_kernel += keras.random.normal(
-                ops.shape(grad_kernel), stddev=stddev, seed=self.noise_seed
-            )
-            grad_bias += keras.random.normal(
-                ops.shape(grad_bias), stddev=stddev, seed=self.noise_seed
-            )
+        if noise is not None:
+            grad_kernel += noise[:-1]
+            grad_bias += noise[-1]
         l2 = self.l2 or 0.0
         grads = [
             grad_kernel / self._denominator + l2 * kernel,

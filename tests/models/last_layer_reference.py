@@ -264,33 +264,34 @@ class ClosedFormReleases:
 
 
 class RecordedBatches:
-    """Records the batches `PoissonBatches` hands to `fit`.
+    """Records the Poisson samples drawn for `fit` (`PoissonIndices.sample`).
 
     TensorFlow peeks at up to two batches to infer their spec before the
-    epochs start; `used(steps)` returns the last `steps` batches, which are
-    the ones the epochs consumed (checked through their indices).
+    epochs start; `used(steps, epochs, features, labels)` returns the last
+    `steps · epochs` batches, which are the ones the epochs consumed
+    (checked through their indices), as `(features, labels, mask)` rebuilt
+    from the test's own arrays: a step that trained on other rows than
+    the sampled ones disagrees with a replay of these.
     """
 
     def __init__(self, monkeypatch):
         from kdpemb.data import poisson_batches
 
         self.batches = []
-        getitem = poisson_batches.PoissonBatches.__getitem__
+        sample = poisson_batches.PoissonIndices.sample
 
-        def recording_getitem(batches, index):
-            out = getitem(batches, index)
+        def recording_sample(batches, index):
+            out = sample(batches, index)
             self.batches.append((index, *(np.array(a) for a in out)))
             return out
 
-        monkeypatch.setattr(
-            poisson_batches.PoissonBatches, "__getitem__", recording_getitem
-        )
+        monkeypatch.setattr(poisson_batches.PoissonIndices, "sample", recording_sample)
 
-    def used(self, steps_per_epoch, epochs):
+    def used(self, steps_per_epoch, epochs, features, labels):
         total = steps_per_epoch * epochs
         used = self.batches[-total:]
         assert [b[0] for b in used] == list(range(steps_per_epoch)) * epochs
-        return [b[1:] for b in used]
+        return [(features[idx], labels[idx], mask) for _, idx, mask in used]
 
 
 class EpochWeights(keras.callbacks.Callback):

@@ -20,7 +20,7 @@ from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget
 from kdpemb.data import poisson_batches
 from kdpemb.data.poisson_batches import PoissonBatches
-from kdpemb.models import ReproducibleNoiseWarning
+from kdpemb.models import ReproducibleNoiseWarning, backends
 from kdpemb.models.last_layer import (
     ClipFeatures,
     LastLayerDPClassifier,
@@ -203,47 +203,80 @@ def test_dp_sgd_hands_its_mean_gradient_to_any_keras_optimizer(make_optimizer):
     np.testing.assert_allclose(bias_of(model), bias, rtol=2e-3, atol=3e-4)
 
 
+def replay_dp_sgd(batches, kernel, bias, *, lr, l2, clip_norm, denominator):
+    """Noise-free DP-SGD in NumPy on recorded batches; also counts clipped rows."""
+    clipped = 0
+    for batch_features, batch_labels, mask in batches:
+        assert set(np.unique(mask)) <= {0.0, 1.0}
+        x = np.asarray(batch_features, np.float64)
+        k = kernel.shape[1]
+        residuals = ref.softmax(x @ kernel + bias) - ref.one_hot(batch_labels, k)
+        norms = np.linalg.norm(residuals, axis=1) * np.sqrt(np.sum(x**2, 1) + 1)
+        clipped += int(np.sum((norms > clip_norm) * mask))
+        kernel, bias = ref.sgd_step(
+            kernel, bias, x, batch_labels, lr=lr, denominator=denominator,
+            clip_norm=clip_norm, l2=l2, mask=mask,
+        )  # fmt: skip
+    return kernel, bias, clipped
+
+
+def force_host_gathering(monkeypatch):
+    """The device "has no room" for the rows: fit gathers them on the host."""
+
+    def out_of_memory(arrays, held):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating the rows")
+
+    monkeypatch.setattr(backends.current(), "hold_rows", out_of_memory)
+
+
+@pytest.mark.parametrize("gathered_on", ["device", "host"])
 def test_poisson_dp_sgd_divides_by_the_expected_batch_size_and_pads_overflows(
-    monkeypatch,
+    monkeypatch, gathered_on
 ):
     # Six Poisson steps of expected size B = 10 (q = 1/3), replayed in NumPy
-    # from the batches fit consumed: the clipped sum over the masked rows,
-    # over B (not over the realised size), with clipping active. The
-    # static bound is forced down to B, so batches above B overflow: they
-    # must be padded to a larger shape, keeping every sampled example.
-    monkeypatch.setattr(
-        poisson_batches, "max_clients_per_round", lambda n, q, tolerance: 10
-    )
+    # from the samples fit drew: the clipped sum over the masked rows, over
+    # B (not over the realised size), with clipping active. Batches above B
+    # must be trained on whole. On the host, the static bound is forced
+    # down to B, so those batches overflow it and must be padded to a
+    # larger shape; on the device, batches are padded per the backend.
+    if gathered_on == "host":
+        force_host_gathering(monkeypatch)
+        monkeypatch.setattr(
+            poisson_batches, "max_clients_per_round", lambda n, q, tolerance: 10
+        )
     recorded = ref.RecordedBatches(monkeypatch)
     features, labels = make_data(n=30, dim=4, num_classes=3, seed=4)
     lr, l2, clip_norm = 0.5, 0.02, 0.6
     model = make_model(
         3, optimizer=keras.optimizers.SGD(lr), l2=l2, clip_norm=clip_norm, seed=11
     )
-    model.fit(features, labels, batch_size=10, epochs=2, verbose=0)
+    if gathered_on == "host":
+        with pytest.warns(UserWarning, match="do not fit in device memory"):
+            model.fit(features, labels, batch_size=10, epochs=2, verbose=0)
+    else:
+        model.fit(features, labels, batch_size=10, epochs=2, verbose=0)
+    assert model._rows.on_device == (gathered_on == "device")
     assert steps_of(model) == 6
-    batches = recorded.used(steps_per_epoch=3, epochs=2)
+    batches = recorded.used(3, 2, features, labels)
     sizes = [int(mask.sum()) for _, _, mask in batches]
     assert any(size != 10 for size in sizes)
-    assert any(size > 10 for size in sizes)  # An overflow was trained on.
-    assert any(
-        0 < size < len(mask) for size, (_, _, mask) in zip(sizes, batches, strict=True)
-    )
+    assert any(size > 10 for size in sizes)  # Trained on whole.
+    pairs = [
+        (size, len(mask)) for size, (_, _, mask) in zip(sizes, batches, strict=True)
+    ]
+    if gathered_on == "host":
+        assert any(0 < size < width for size, width in pairs)
+        assert all(width % 128 == 0 for size, width in pairs if size > 10)
+    elif backends.current().BATCH_PADDING == "multiple":
+        # A power of two >= 2σ, σ² = 30 · 1/3 · 2/3, and at least 8.
+        assert all(width == 8 * max(1, math.ceil(size / 8)) for size, width in pairs)
+    else:
+        assert all(width == size for size, width in pairs)
 
-    kernel, bias = np.zeros((4, 3)), np.zeros(3)
-    clipped = 0
-    for batch_features, batch_labels, mask in batches:
-        assert set(np.unique(mask)) <= {0.0, 1.0}
-        if mask.sum() > 10:
-            assert len(mask) % 128 == 0
-        x = np.asarray(batch_features, np.float64)
-        residuals = ref.softmax(x @ kernel + bias) - ref.one_hot(batch_labels, 3)
-        norms = np.linalg.norm(residuals, axis=1) * np.sqrt(np.sum(x**2, 1) + 1)
-        clipped += int(np.sum((norms > clip_norm) * mask))
-        kernel, bias = ref.sgd_step(
-            kernel, bias, x, batch_labels, lr=lr, denominator=10,
-            clip_norm=clip_norm, l2=l2, mask=mask,
-        )  # fmt: skip
+    kernel, bias, clipped = replay_dp_sgd(
+        batches, np.zeros((4, 3)), np.zeros(3),
+        lr=lr, l2=l2, clip_norm=clip_norm, denominator=10,
+    )  # fmt: skip
     assert clipped > 0
     np.testing.assert_allclose(kernel_of(model), kernel, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(bias_of(model), bias, rtol=1e-4, atol=1e-6)
@@ -1138,3 +1171,80 @@ def test_clip_features_scales_only_the_rows_above_the_norm():
     got = ref.to_numpy(layer(features.astype("float32")))
     np.testing.assert_allclose(got, ref.clip_rows(features, 1.5), rtol=1e-6, atol=1e-7)
     assert ClipFeatures.from_config(layer.get_config()).clip_norm == 1.5
+
+
+# ------------------------------------------- training rows on the device --
+
+
+@pytest.mark.parametrize("first_fit", ["device", "host"])
+def test_a_later_fit_gathers_the_rows_it_was_given(monkeypatch, first_fit):
+    # Two fits, the second on other features of the same shape (the device
+    # copy is refreshed in place on TensorFlow); the first gathers on the
+    # device or, when the device "has no room", on the host (the step then
+    # reads its rows another way and must be traced anew). A replay of
+    # the recorded samples in NumPy must match: a step that still read the
+    # first fit's rows would not.
+    recorded = ref.RecordedBatches(monkeypatch)
+    features, labels = make_data(n=60, dim=4, num_classes=3, seed=5)
+    other = features[::-1] * 1.5
+    lr, l2, clip_norm = 0.5, 0.01, 0.8
+    model = make_model(
+        3, optimizer=keras.optimizers.SGD(lr), l2=l2, clip_norm=clip_norm, seed=9
+    )
+    with monkeypatch.context() as patch:
+        if first_fit == "host":
+            force_host_gathering(patch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(features, labels, batch_size=12, epochs=2, verbose=0)
+    assert model._rows.on_device == (first_fit == "device")
+    assert any("device memory" in str(w.message) for w in caught) == (
+        first_fit == "host"
+    )
+    first = recorded.used(5, 2, features, labels)
+    recorded.batches.clear()
+    model.fit(other, labels, batch_size=12, epochs=1, verbose=0)
+    assert model._rows.on_device
+    second = recorded.used(5, 1, other, labels)
+
+    settings = {"lr": lr, "l2": l2, "clip_norm": clip_norm, "denominator": 12}
+    kernel, bias, _ = replay_dp_sgd(first, np.zeros((4, 3)), np.zeros(3), **settings)
+    kernel, bias, clipped = replay_dp_sgd(second, kernel, bias, **settings)
+    assert clipped > 0
+    np.testing.assert_allclose(kernel_of(model), kernel, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(bias_of(model), bias, rtol=1e-4, atol=1e-6)
+    # The replay tells the two data sets apart: the same samples of the
+    # first fit's features end elsewhere.
+    stale = recorded.used(5, 1, features, labels)
+    kernel, _, _ = replay_dp_sgd(first, np.zeros((4, 3)), np.zeros(3), **settings)
+    stale_kernel, _, _ = replay_dp_sgd(stale, kernel, bias, **settings)
+    assert np.abs(stale_kernel - kernel_of(model)).max() > 1e-3
+
+
+def test_an_error_other_than_out_of_memory_is_not_swallowed(monkeypatch):
+    def broken(arrays, held):
+        raise RuntimeError("INVALID_ARGUMENT: not a memory problem")
+
+    monkeypatch.setattr(backends.current(), "hold_rows", broken)
+    features, labels = make_data(n=30, dim=4, num_classes=3)
+    model = make_model(3)
+    with pytest.raises(RuntimeError, match="not a memory problem"):
+        model.fit(features, labels, batch_size=10, verbose=0)
+
+
+def test_the_device_copy_of_the_training_rows_is_never_saved(tmp_path):
+    # 4,000 x 32 float32 features are 500 KiB; the model's state is a
+    # 32 x 10 head and a few counters.
+    features, labels = make_data(n=4000, dim=32, num_classes=10, seed=6)
+    model = make_model(10, noise_multiplier=1.0, clip_norm=1.0)
+    model.fit(features, labels, batch_size=400, epochs=1, verbose=0)
+    assert model._rows.on_device
+    assert all(math.prod(v.shape) < features.size // 10 for v in model.variables), [
+        v.shape for v in model.variables
+    ]
+    path = tmp_path / "head.keras"
+    model.save(path)
+    assert path.stat().st_size < features.nbytes // 10
+    weights = tmp_path / "head.weights.h5"
+    model.save_weights(weights)
+    assert weights.stat().st_size < features.nbytes // 10

@@ -66,3 +66,47 @@ def _stateless(groups, state, step, data):
         [scope.get_current_value(v) for v in variables] for variables in groups
     )
     return logs, new_state
+
+
+# Each batch shape is a compilation: pad to a few shapes, with little waste.
+BATCH_PADDING = "multiple"
+
+
+def hold_rows(arrays, held):
+    """Device copies of `arrays`, and whether the train step must be retraced.
+
+    The copies travel with every batch (`rows_batches`) as arguments of the
+    jitted step: an array the step closed over would be compiled into the
+    program as a constant. Passing a device array costs no copy, and `jit`
+    retraces by itself when the shapes change, so the answer is False.
+    """
+    del held  # New device buffers each fit; the old ones are freed.
+    rows = tuple(jax.device_put(array) for array in arrays)
+    for row in rows:
+        row.block_until_ready()  # Out of memory shows here, not mid-fit.
+    return rows, False
+
+
+def rows_batches(sampler, rows):
+    """`sampler`'s batches `(indices, mask)` as `((indices, *rows), mask)`."""
+    return _RowsAlong(sampler, rows)
+
+
+def gather_inputs(data, rows):
+    """`(indices, rows, mask)` of a batch from `rows_batches`."""
+    del rows  # They came with the batch.
+    (indices, *rows), mask = data
+    return indices, rows, mask
+
+
+class _RowsAlong(keras.utils.PyDataset):
+    def __init__(self, sampler, rows):
+        super().__init__()
+        self.sampler, self.rows = sampler, rows
+
+    def __len__(self):
+        return len(self.sampler)
+
+    def __getitem__(self, index):
+        indices, mask = self.sampler[index]
+        return (indices, *self.rows), mask

@@ -1,5 +1,6 @@
 """TensorFlow plumbing: `tf.GradientTape` and `tf.distribute` replicas."""
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -57,3 +58,65 @@ def train_step(model, args, step):
 def test_step(model, args, step):
     """TensorFlow calls `test_step(data)` with live variables."""
     return train_step(model, args, step)
+
+
+def hold_rows(arrays, held):
+    """Device copies of `arrays`, and whether the train step must be retraced.
+
+    The copies are variables that the traced step captures by reference,
+    so the batches carry only indices. A later fit with arrays of the
+    same shapes overwrites the variables in place (no retrace); other
+    shapes need new variables, and a new trace to capture them.
+    """
+    if held is not None and all(
+        v.shape == a.shape and v.dtype == a.dtype
+        for v, a in zip(held, arrays, strict=True)
+    ):
+        for variable, array in zip(held, arrays, strict=True):
+            variable.assign(array)
+        return held, False
+    with tf.init_scope():
+        rows = tuple(tf.Variable(array, trainable=False) for array in arrays)
+    return rows, True
+
+
+# A TensorFlow graph takes any batch size without a new trace: no padding.
+BATCH_PADDING = "none"
+
+
+def rows_batches(sampler, rows):
+    """`sampler`'s batches `(indices, mask)` as a `tf.data.Dataset`.
+
+    One Python call draws a whole epoch's samples (padded to the widest)
+    and `tf.data` hands them out step by step: a generator call per step
+    would cost about as much as a step of the head. Keras iterates the
+    dataset anew each epoch, which draws the next epoch's samples.
+    """
+    del rows  # The step captures them.
+    steps = len(sampler)
+
+    def one_epoch():
+        batches = [sampler[step] for step in range(steps)]
+        width = max(len(mask) for _, mask in batches)
+        indices = np.zeros((steps, width), sampler.index_dtype)
+        masks = np.zeros((steps, width), np.float32)
+        for step, (chosen, mask) in enumerate(batches):
+            indices[step, : len(chosen)] = chosen
+            masks[step, : len(mask)] = mask
+        yield indices, masks
+
+    epoch = tf.data.Dataset.from_generator(
+        one_epoch,
+        output_signature=(
+            tf.TensorSpec((steps, None), sampler.index_dtype),
+            tf.TensorSpec((steps, None), tf.float32),
+        ),
+    )
+    batches = epoch.unbatch().prefetch(2)
+    return batches.apply(tf.data.experimental.assert_cardinality(steps))
+
+
+def gather_inputs(data, rows):
+    """`(indices, rows, mask)` of a batch from `rows_batches`."""
+    indices, mask = data
+    return indices, rows, mask
