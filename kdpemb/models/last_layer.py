@@ -558,16 +558,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         features, labels, mask = (
             self._rows.gather(data) if self._rows.on_device else data
         )
-        stddev = self.schedule["noise_multiplier"] * self.clip_norm
-        noise = None
-        if stddev > 0:
-            # Fresh, independent draws for every coordinate and step: the
-            # kernel's rows, then the bias.
-            noise = keras.random.normal(
-                (self.head.kernel.shape[0] + 1, self.num_classes),
-                stddev=stddev,
-                seed=self.noise_seed,
-            )
         features = ops.cast(features, "float32")
         if self.clip_features is not None:
             features = self.clip_features(features)
@@ -581,7 +571,15 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         clipped = residuals * scale[:, None]
         grad_kernel = ops.einsum("bd,bk->dk", features, clipped)
         grad_bias = ops.sum(clipped, axis=0)
-        if noise is not None:
+        stddev = self.schedule["noise_multiplier"] * self.clip_norm
+        if stddev > 0:
+            # Fresh, independent draws for every coordinate and step, in one
+            # draw: the kernel's rows, then the bias.
+            noise = keras.random.normal(
+                (kernel.shape[0] + 1, self.num_classes),
+                stddev=stddev,
+                seed=self.noise_seed,
+            )
             grad_kernel += noise[:-1]
             grad_bias += noise[-1]
         l2 = self.l2 or 0.0

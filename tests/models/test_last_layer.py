@@ -1208,16 +1208,15 @@ def test_a_later_fit_gathers_the_rows_it_was_given(monkeypatch, first_fit):
     second = recorded.used(5, 1, other, labels)
 
     settings = {"lr": lr, "l2": l2, "clip_norm": clip_norm, "denominator": 12}
-    kernel, bias, _ = replay_dp_sgd(first, np.zeros((4, 3)), np.zeros(3), **settings)
-    kernel, bias, clipped = replay_dp_sgd(second, kernel, bias, **settings)
+    after_first = replay_dp_sgd(first, np.zeros((4, 3)), np.zeros(3), **settings)
+    kernel, bias, clipped = replay_dp_sgd(second, *after_first[:2], **settings)
     assert clipped > 0
     np.testing.assert_allclose(kernel_of(model), kernel, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(bias_of(model), bias, rtol=1e-4, atol=1e-6)
     # The replay tells the two data sets apart: the same samples of the
     # first fit's features end elsewhere.
     stale = recorded.used(5, 1, features, labels)
-    kernel, _, _ = replay_dp_sgd(first, np.zeros((4, 3)), np.zeros(3), **settings)
-    stale_kernel, _, _ = replay_dp_sgd(stale, kernel, bias, **settings)
+    stale_kernel, _, _ = replay_dp_sgd(stale, *after_first[:2], **settings)
     assert np.abs(stale_kernel - kernel_of(model)).max() > 1e-3
 
 
