@@ -48,6 +48,7 @@ two, median of repeats:
                                                 # methods [EPS], non-private, wide
 """
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -62,7 +63,7 @@ import warnings
 import keras
 import numpy as np
 
-from benchmarks.timing import gpu_available, time_fit, timed
+from benchmarks.timing import StepClock, gpu_available, time_fit, timed
 from kdpemb import privacy
 from kdpemb.datasets import load_fashion_mnist
 from kdpemb.features import extract
@@ -613,7 +614,13 @@ def _random_features(rows, dim, classes, seed=0):
 
 
 def step_times(config):
-    """Median seconds per step: DP-SGD head against a plain Dense head."""
+    """Seconds per step of a DP-SGD head and of a plain Dense head.
+
+    Two measures, each alternating the two heads, median of repeats:
+    `fit` (a whole fit's seconds over its steps: copying the data in, the
+    input pipeline and the epochs' starts included) and `steady` (the
+    median interval between two steps of an epoch, `StepClock`).
+    """
     features, labels = _random_features(
         config.num_examples, config.dim, config.num_classes
     )
@@ -628,25 +635,27 @@ def step_times(config):
         optimizer=keras.optimizers.SGD(config.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    b = config.batch_size
+    b, epochs = config.batch_size, config.epochs
     # Warm-up: tracing, compilation, and the private schedule.
     time_fit(private, features, labels, batch_size=b)
     time_fit(plain, features, labels, batch_size=b)
-    steps = config.epochs * round(config.num_examples / b)
-    dp, np_ = [], []
+    steps = epochs * round(config.num_examples / b)
+    heads = {"DP-SGD": private, "non-private Dense": plain}
+    times = collections.defaultdict(list)
     for _ in range(config.repeats):
-        dp.append(
-            time_fit(private, features, labels, batch_size=b, epochs=config.epochs)
-        )
-        np_.append(
-            time_fit(plain, features, labels, batch_size=b, epochs=config.epochs)
-        )
+        for head, model in heads.items():
+            seconds = time_fit(model, features, labels, batch_size=b, epochs=epochs)
+            times[head, "fit"].append(seconds / steps)
+    for _ in range(config.repeats):
+        for head, model in heads.items():
+            clock = StepClock()
+            time_fit(
+                model, features, labels, batch_size=b, epochs=epochs, callbacks=[clock]
+            )
+            times[head, "steady"].append(clock.step_seconds())
+    medians = {key: statistics.median(values) for key, values in times.items()}
     padded = private.privacy_mechanism()  # Only to read the sampling back.
-    return (
-        statistics.median(dp) / steps,
-        statistics.median(np_) / steps,
-        padded.sampling_probability,
-    )
+    return medians, padded.sampling_probability
 
 
 def dp_ls_seconds(config):
@@ -669,19 +678,23 @@ def speed(quick=False, config=None):
     _quiet()
     device = "GPU" if gpu_available() else "CPU"
     d, k, b = config.dim, config.num_classes, config.batch_size
-    dp_step, plain_step, q = step_times(config)
+    steps, q = step_times(config)
     ls = dp_ls_seconds(config)
     shape = f"d={d}, K={k}, B={b}"
     ls_shape = f"{config.ls_examples:,} x {config.ls_dim}, {config.ls_classes} classes"
     figures = {
-        f"{device}: DP-SGD step, {shape}, q={q:.3g} (ms)": 1000 * dp_step,
-        f"{device}: non-private Dense step, {shape} (ms)": 1000 * plain_step,
-        f"{device}: DP-LS fit, {ls_shape} (s)": ls,
+        f"{device}: {head} step ({measure}), {shape} (ms)": 1000 * seconds
+        for (head, measure), seconds in steps.items()
     }
+    figures["DP-SGD sampling probability q"] = q
+    figures[f"{device}: DP-LS fit, {ls_shape} (s)"] = ls
     ratios = {
-        f"{device}: DP-SGD step / non-private step (goal <= 1.3)": dp_step / plain_step,
-        f"{device}: DP-LS seconds / 10 s (goal < 1)": ls / 10.0,
+        f"{device}: DP-SGD step / non-private step, {measure} (goal <= 1.3)": (
+            steps["DP-SGD", measure] / steps["non-private Dense", measure]
+        )
+        for measure in ("fit", "steady")
     }
+    ratios[f"{device}: DP-LS seconds / 10 s (goal < 1)"] = ls / 10.0
     if device == "CPU":
         figures["GPU"] = "no GPU"
     return {"figures": figures, "ratios": ratios, "config": dataclasses.asdict(config)}

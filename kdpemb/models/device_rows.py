@@ -53,10 +53,11 @@ class DeviceRows:
         self.retrace = retrace or self.on_device != was_on_device
         return self.on_device
 
-    def batches(self, sampler):
-        """The dataset to fit on: `sampler`'s indices, with what the
+    def batches(self, sampler, epochs=1):
+        """The dataset to fit on for `epochs` epochs (with
+        `steps_per_epoch=len(sampler)`): `sampler`'s indices, with what the
         backend needs to reach the rows."""
-        return backends.current().rows_batches(sampler, self._rows)
+        return backends.current().rows_batches(sampler, self._rows, epochs)
 
     def gather(self, data):
         """`(*rows[indices], mask)` of a batch from `batches`, on the device."""

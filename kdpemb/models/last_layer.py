@@ -509,10 +509,14 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if self.method == "dp-sgd":
             self._denominator = float(batch_size or len(features))
             seed = None if self.seed is None else [self.seed, self._steps_taken()]
-            batches = self._batches(features, labels, batch_size, steps_per_epoch, seed)
+            batches = self._batches(
+                features, labels, batch_size, steps_per_epoch,
+                epochs - initial_epoch, seed,
+            )  # fmt: skip
             return super().fit(
                 batches,
                 epochs=epochs,
+                steps_per_epoch=steps_per_epoch,
                 verbose=verbose,
                 callbacks=callbacks,
                 validation_data=validation_data,
@@ -524,7 +528,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             features, labels, epochs, initial_epoch, verbose, callbacks
         )
 
-    def _batches(self, features, labels, batch_size, steps, seed):
+    def _batches(self, features, labels, batch_size, steps, epochs, seed):
         """DP-SGD's Poisson batches: indices of rows kept on the device, or
         rows gathered on the host when the device has no room for them."""
         from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices
@@ -534,7 +538,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             sampler = PoissonIndices(
                 len(features), batch_size, steps, seed, backend.BATCH_PADDING
             )
-            batches = self._rows.batches(sampler)
+            batches = self._rows.batches(sampler, epochs)
         else:
             warnings.warn(
                 f"The {features.nbytes / 2**20:.0f} MiB of features do not fit "

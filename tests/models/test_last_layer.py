@@ -257,6 +257,8 @@ def test_poisson_dp_sgd_divides_by_the_expected_batch_size_and_pads_overflows(
         model.fit(features, labels, batch_size=10, epochs=2, verbose=0)
     assert model._rows.on_device == (gathered_on == "device")
     assert steps_of(model) == 6
+    if gathered_on == "device":  # Every sample drawn is trained on.
+        assert len(recorded.batches) == 6
     batches = recorded.used(3, 2, features, labels)
     sizes = [int(mask.sum()) for _, _, mask in batches]
     assert any(size != 10 for size in sizes)

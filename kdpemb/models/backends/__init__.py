@@ -13,7 +13,7 @@ differ between backends live here, the way Keras splits its own trainers:
 - `train_step(model, args, step)`: calls `step(data)` with the model's
   variables live: directly on TensorFlow, inside a `StatelessScope` on JAX.
 - `test_step(model, args, step)`: the same for evaluation.
-- `hold_rows(arrays, held)`, `rows_batches(sampler, rows)`,
+- `hold_rows(arrays, held)`, `rows_batches(sampler, rows, epochs)`,
   `gather_inputs(data, rows)`: training rows kept on the device, and how
   a step that receives only indices reaches them (`models.device_rows`).
 """

@@ -87,8 +87,10 @@ def hold_rows(arrays, held):
     return rows, False
 
 
-def rows_batches(sampler, rows):
-    """`sampler`'s batches `(indices, mask)` as `((indices, *rows), mask)`."""
+def rows_batches(sampler, rows, epochs):
+    """`sampler`'s batches `(indices, mask)` as `((indices, *rows), mask)`;
+    Keras iterates the `PyDataset` anew each epoch, so `epochs` is not needed."""
+    del epochs
     return _RowsAlong(sampler, rows)
 
 
