@@ -36,7 +36,9 @@ two, median of repeats:
 - a DP-SGD step of `LastLayerDPClassifier.fit` (Poisson batches of
   expected size B, gathered on the device from indices) against a step
   of a plain `Dense` head's `fit` (shuffled batches of B) with the same
-  optimizer, on the same random features (goal: at most 1.3×);
+  optimizer, on the same random features (goal: at most 1.3×), two
+  ways: a whole fit's seconds over its steps, and the steady-state step
+  (`timing.StepClock`, without the fit's set-up and the epochs' starts);
 - DP-LS on 100,000 × 512 random features with 100 classes: seconds of one
   `fit` (goal: under 10 s on CPU).
 - Both on the GPU when the backend sees one; "no GPU" otherwise.

@@ -82,15 +82,34 @@ def test_last_layer_benchmark_times_a_dp_sgd_step_and_dp_ls():
     result = last_layer.speed(quick=True)
     device = "GPU" if gpu_available() else "CPU"
     assert set(result["ratios"]) == {
-        f"{device}: DP-SGD step / non-private step (goal <= 1.3)",
+        f"{device}: DP-SGD step / non-private step, fit (goal <= 1.3)",
+        f"{device}: DP-SGD step / non-private step, steady (goal <= 1.3)",
         f"{device}: DP-LS seconds / 10 s (goal < 1)",
     }
     numbers = {k: v for k, v in result["figures"].items() if k != "GPU"}
-    assert len(numbers) == 3
-    assert any("DP-SGD step" in k for k in numbers)
-    assert any("non-private Dense step" in k for k in numbers)
+    for head in ("DP-SGD", "non-private Dense"):
+        for measure in ("fit", "steady"):
+            assert sum(f"{head} step ({measure})" in k for k in numbers) == 1
     assert any("DP-LS fit, 2,000 x 32, 10 classes" in k for k in numbers)
+    assert numbers["DP-SGD sampling probability q"] == pytest.approx(256 / 2048)
+    assert len(numbers) == 6
     for value in [*numbers.values(), *result["ratios"].values()]:
         assert math.isfinite(value) and value > 0
     if device == "CPU":
         assert result["figures"]["GPU"] == "no GPU"
+
+
+def test_step_clock_times_steps_within_an_epoch_only(monkeypatch):
+    # Steps 1 s apart, and a 100 s pause before the second epoch's first
+    # step (an epoch's start): the pause is not a step.
+    from benchmarks import timing
+
+    now = iter([0.0, 1.0, 2.0, 102.0, 103.0, 104.0, 105.0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(now))
+    clock = timing.StepClock()
+    for epoch, steps in enumerate((3, 4)):
+        clock.on_epoch_begin(epoch)
+        for step in range(steps):
+            clock.on_train_batch_end(step)
+    assert clock.intervals == [1.0] * 5
+    assert clock.step_seconds() == 1.0
