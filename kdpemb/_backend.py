@@ -11,11 +11,9 @@ import json
 import os
 import sys
 
+from kdpemb.errors import UnsupportedBackendError  # re-exported
+
 SUPPORTED_BACKENDS = ("tensorflow", "jax")
-
-
-class UnsupportedBackendError(ImportError):
-    """Raised when Keras is set to a backend kdpemb does not support."""
 
 
 def selected_backend():

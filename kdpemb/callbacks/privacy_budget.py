@@ -5,14 +5,11 @@ import warnings
 
 import keras
 
-from kdpemb.privacy import validation
+from kdpemb import _validation as validation
+from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.privacy.accountant import MAX_SEARCH_STEPS, METHODS, Accountant
 from kdpemb.privacy.protocol import check_private_model, read_private_steps
 from kdpemb.privacy.statement import PrivacyStatement
-
-
-class PrivacyBudgetExhaustedError(RuntimeError):
-    """Training was asked to continue with no privacy budget left."""
 
 
 class PrivacyBudget(keras.callbacks.Callback):

@@ -10,9 +10,10 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
+from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.data import assignment, round_size, sources
-from kdpemb.privacy import validation
+from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
 
 _SAMPLINGS = ("poisson", "fixed")
 # Largest overflow probability of a Poisson round's default bound M_max. For
@@ -24,14 +25,6 @@ _SAMPLINGS = ("poisson", "fixed")
 TRUNCATION_TOLERANCE = {"independent of data": 1e-9, "data dependent": 1e-30}
 _ROUND_STREAM, _CLIENT_STREAM = 1, 2
 _MAX_SEED = 2**128
-
-
-class RoundTruncationError(RuntimeError):
-    """A Poisson round drew more virtual clients than its static bound."""
-
-
-class ReproducibleSamplingWarning(UserWarning):
-    """A fixed seed makes the client sampling predictable (tests only)."""
 
 
 class ClientPlan(NamedTuple):

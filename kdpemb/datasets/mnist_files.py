@@ -28,6 +28,8 @@ import zlib
 
 import numpy as np
 
+from kdpemb.errors import DatasetNotFoundError  # re-exported
+
 FASHION_MNIST_ENV = "KDPEMB_FASHION_MNIST"
 MNIST_ENV = "KDPEMB_MNIST"
 DEBIAN_FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
@@ -56,14 +58,6 @@ IDX_FILES = (
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 _IMAGES_MAGIC = 2051
 _LABELS_MAGIC = 2049
-
-
-class DatasetNotFoundError(FileNotFoundError):
-    """The dataset's files are in none of the places searched.
-
-    The message lists every place looked at, why each failed, and how to
-    provide the files.
-    """
 
 
 class _NotHere(Exception):

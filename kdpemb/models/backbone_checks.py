@@ -9,9 +9,7 @@ refuses such a backbone before training, as Opacus' validators do.
 
 import keras
 
-
-class UnsupportedLayerError(ValueError):
-    """The backbone holds a layer that would leak private data."""
+from kdpemb.errors import UnsupportedLayerError
 
 
 def _all_layers(layer):

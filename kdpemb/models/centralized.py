@@ -9,8 +9,8 @@ It has no privacy guarantee at all.
 import keras
 from keras import ops
 
+from kdpemb import _validation as validation
 from kdpemb.models import backbone_checks, fedemb
-from kdpemb.privacy import validation
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")

@@ -13,11 +13,13 @@ import warnings
 import keras
 from keras import ops
 
+from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.errors import ReproducibleNoiseWarning
 from kdpemb.models import backbone_checks, backends, fedemb_round
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
-from kdpemb.privacy import gaussian_sum, protocol, validation
+from kdpemb.privacy import gaussian_sum, protocol
 
 AGGREGATIONS = ("partial", "full")
 _FROZEN_SETTINGS = frozenset(
@@ -43,10 +45,6 @@ _FROZEN_SETTINGS = frozenset(
     }
 )
 HEAD_INITS = ("zeros", "random")
-
-
-class ReproducibleNoiseWarning(UserWarning):
-    """A fixed seed makes the DP noise predictable: for tests only."""
 
 
 def _client_sgd(client_optimizer):

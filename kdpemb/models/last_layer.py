@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.models import backends
 from kdpemb.models import last_layer_stats as stats
@@ -35,7 +36,7 @@ from kdpemb.models.device_rows import DeviceRows
 from kdpemb.models.fedemb import ReproducibleNoiseWarning
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
-from kdpemb.privacy import gaussian_sum, protocol, validation
+from kdpemb.privacy import gaussian_sum, protocol
 
 METHODS = ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")
 HEAD_INITS = ("zeros", "random")

@@ -1,7 +1,8 @@
 """Privacy accounting for kdpemb's training schemes, on dp-accounting.
 
 Describe a schedule with a builder (`dp_sgd`, `full_batch`,
-`virtual_clients`, `gaussian_releases`, `zcdp`, `tree_aggregation`), then
+`virtual_clients`, `gaussian_releases`, `zcdp`, `tree_aggregation`) or
+from a `Schedule` (who is sampled how often), then
 compute ε with `epsilon` or an `Accountant`, find the noise for a target
 with `calibrate_noise_multiplier`, and state the result with
 `PrivacyStatement`. This package does not import Keras.
@@ -44,6 +45,7 @@ from kdpemb.privacy.protocol import (
     privacy_statement,
     read_private_steps,
 )
+from kdpemb.privacy.schedule import Schedule
 from kdpemb.privacy.statement import PrivacyStatement
 from kdpemb.privacy.validation import check_delta
 
@@ -58,6 +60,7 @@ __all__ = [
     "PrivacyStatement",
     "PrivateModel",
     "SampledGaussian",
+    "Schedule",
     "TreeAggregation",
     "UnsupportedMechanismError",
     "calibrate_noise_multiplier",

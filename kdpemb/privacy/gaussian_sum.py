@@ -26,27 +26,53 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from kdpemb.privacy import validation
+from kdpemb import _validation as validation
+from kdpemb.privacy import mechanisms
 
 
 class ClippedSum(NamedTuple):
     """The sum of clipped contributions, and what it guarantees.
 
+    Formal guarantees: every contribution's L2 norm (over all its tensors)
+    is at most `clip_norm`, so removing one contribution moves `total` by
+    at most `clip_norm` and replacing one by another by at most
+    2 · `clip_norm` (`sensitivity`). The noise multiplier z of
+    `gaussian_noise` is relative to `clip_norm`, as dp-accounting's events
+    expect: its accountants apply the relation themselves.
+
     Attributes:
         total: list of tensors. Sum over contributions of the clipped
             updates, one tensor per variable (without the leading axis).
-        clip_norm: float. Every contribution's L2 norm (over all its
-            tensors) is at most this: changing one contribution moves
-            `total` by at most 2 · clip_norm, removing one by clip_norm.
+        clip_norm: float. The L2 bound of one contribution, C.
         count: int tensor. Contributions included (after the mask).
         num_nonfinite: int tensor. Included contributions that were zeroed
             because they held NaN or infinite values.
+
+    Example:
+
+    >>> import numpy as np
+    >>> clipped = clip_and_sum([np.ones((3, 2))], clip_norm=0.5)
+    >>> clipped.sensitivity("add_or_remove_one"), clipped.sensitivity("replace_one")
+    (0.5, 1.0)
     """
 
     total: list
     clip_norm: float
     count: object
     num_nonfinite: object
+
+    def sensitivity(self, relation):
+        """The L2 sensitivity of `total` under a neighbouring relation.
+
+        Args:
+            relation: "add_or_remove_one", "replace_one", "replace_special"
+                (replace by a zero record) or a
+                `dp_accounting.NeighboringRelation`.
+        """
+        relation = mechanisms.relation_from_name(relation)
+        if relation == mechanisms.Relation.REPLACE_ONE:
+            return 2.0 * self.clip_norm
+        return self.clip_norm
 
 
 def global_norms(updates):
@@ -72,6 +98,83 @@ def global_norms(updates):
         for u in updates
     ]
     return ops.sqrt(sum(squares[1:], squares[0]))
+
+
+def clip_factors(norms, clip_norm, mask=None):
+    """Per-contribution scale factors `min(1, C / norm)`: shape `[m]`.
+
+    A contribution with a non-finite norm, or with `mask` false, gets
+    factor 0. This is the one place where kdpemb turns norms into clip
+    factors, whether the norms come from materialised updates
+    (`clip_and_sum`) or are computed without them (the dense-layer norm
+    trick of `kdpemb.models.dense_gradient_norms`, ghost clipping).
+
+    Args:
+        norms: float tensor `[m]`. Each contribution's L2 norm.
+        clip_norm: float > 0. C.
+        mask: bool tensor `[m]` or None. Which contributions take part.
+
+    Returns:
+        `(factors, finite)`: float32 factors `[m]` and the bool tensor of
+        rows whose norm is finite.
+
+    Example:
+
+    >>> import numpy as np
+    >>> factors, finite = clip_factors(np.array([2.0, 0.5, np.inf]), clip_norm=1.0)
+    >>> np.asarray(factors).tolist(), np.asarray(finite).tolist()
+    ([0.5, 1.0, 0.0], [True, True, False])
+    """
+    clip_norm = validation.check_positive(clip_norm, "clip_norm")
+    ops = keras.ops
+    norms = ops.cast(ops.convert_to_tensor(norms), "float32")
+    finite = ops.isfinite(norms)
+    safe_norms = ops.where(finite, norms, 0.0)
+    factors = ops.minimum(1.0, clip_norm / ops.maximum(safe_norms, 1e-30))
+    keep = finite if mask is None else ops.logical_and(finite, _as_mask(mask))
+    return ops.where(keep, factors, 0.0), finite
+
+
+def _as_mask(mask):
+    return keras.ops.cast(keras.ops.convert_to_tensor(mask), "bool")
+
+
+def clipped_sum_from_norms(norms, clip_norm, weighted_sum, mask=None):
+    """The `ClippedSum` of contributions known by their norms and a weighted sum.
+
+    For trainers that never materialise per-contribution updates: they
+    compute each contribution's norm, and `weighted_sum(factors)` returns
+    Σᵢ factorsᵢ · gᵢ (one tensor per variable). Rows with factor 0 must
+    add exactly 0 (zero their inputs with `ops.where`, since NaN · 0 is
+    NaN).
+
+    Args:
+        norms: float tensor `[m]`. Each contribution's exact L2 norm.
+        clip_norm: float > 0. C.
+        weighted_sum: callable `factors [m] -> list of tensors`.
+        mask: bool tensor `[m]` or None. Which contributions take part.
+
+    Example:
+
+    >>> import numpy as np
+    >>> rows = np.array([[3.0, 4.0], [0.3, 0.4]])
+    >>> clipped = clipped_sum_from_norms(
+    ...     np.linalg.norm(rows, axis=1), 1.0,
+    ...     lambda f: [keras.ops.sum(rows * f[:, None], axis=0)])
+    >>> np.round(np.asarray(clipped.total[0], dtype=float), 6).tolist()
+    [0.9, 1.2]
+    """
+    factors, finite = clip_factors(norms, clip_norm, mask)
+    ops = keras.ops
+    rows = ops.shape(factors)[0]
+    included = ops.ones((rows,), "int32") if mask is None else _as_mask(mask)
+    included = ops.cast(included, "int32")
+    return ClippedSum(
+        total=list(weighted_sum(factors)),
+        clip_norm=float(clip_norm),
+        count=ops.sum(included),
+        num_nonfinite=ops.sum(included * ops.cast(ops.logical_not(finite), "int32")),
+    )
 
 
 def clip_and_sum(updates, clip_norm, mask=None):
@@ -100,36 +203,23 @@ def clip_and_sum(updates, clip_norm, mask=None):
     >>> int(result.count), int(result.num_nonfinite)
     (3, 1)
     """
-    clip_norm = validation.check_positive(clip_norm, "clip_norm")
     if not updates:
         raise ValueError("clip_and_sum needs at least one tensor of updates.")
     ops = keras.ops
-    norms = global_norms(updates)
-    rows = ops.shape(norms)[0]
-    mask = (
-        ops.ones((rows,), dtype="bool")
-        if mask is None
-        else ops.cast(ops.convert_to_tensor(mask), "bool")
-    )
-    finite = ops.isfinite(norms)
-    safe_norms = ops.where(finite, norms, 0.0)
-    scale = ops.minimum(1.0, clip_norm / ops.maximum(safe_norms, 1e-30))
-    scale = ops.where(ops.logical_and(finite, mask), scale, 0.0)
-    total = []
-    for update in updates:
-        update = ops.cast(update, "float32")
-        shape = (rows,) + (1,) * (len(update.shape) - 1)
-        keep = ops.reshape(ops.logical_and(finite, mask), shape)
-        # where() before the product: NaN * 0 would still be NaN.
-        cleaned = ops.where(keep, update, 0.0)
-        total.append(ops.sum(cleaned * ops.reshape(scale, shape), axis=0))
-    included = ops.cast(mask, "int32")
-    return ClippedSum(
-        total=total,
-        clip_norm=clip_norm,
-        count=ops.sum(included),
-        num_nonfinite=ops.sum(included * ops.cast(ops.logical_not(finite), "int32")),
-    )
+
+    def weighted_sum(factors):
+        rows = ops.shape(factors)[0]
+        total = []
+        for update in updates:
+            update = ops.cast(update, "float32")
+            shape = (rows,) + (1,) * (len(update.shape) - 1)
+            factor = ops.reshape(factors, shape)
+            # where() before the product: NaN * 0 would still be NaN.
+            cleaned = ops.where(factor > 0, update, 0.0)
+            total.append(ops.sum(cleaned * factor, axis=0))
+        return total
+
+    return clipped_sum_from_norms(global_norms(updates), clip_norm, weighted_sum, mask)
 
 
 def reseed_from_entropy(seed_generator):

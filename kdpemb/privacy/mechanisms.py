@@ -18,7 +18,7 @@ import math
 
 import dp_accounting as dpa
 
-from kdpemb.privacy import validation
+from kdpemb import _validation as validation
 
 Relation = dpa.NeighboringRelation
 

@@ -5,7 +5,7 @@ import importlib.metadata
 import json
 import math
 
-from kdpemb.privacy import validation
+from kdpemb import _validation as validation
 from kdpemb.privacy.accountant import Accountant
 from kdpemb.version import __version__
 

@@ -8,9 +8,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.models import backends
-from kdpemb.privacy import validation
 
 
 @keras.saving.register_keras_serializable(package="kdpemb.testing")

@@ -1,0 +1,59 @@
+"""kdpemb's error and warning classes, in one place (the bottom floor).
+
+Every error a user may want to catch, and every warning a user may want to
+filter, is defined here and imports nothing from kdpemb. The modules that
+raise them re-export them under their old names.
+
+Example:
+
+>>> import warnings
+>>> from kdpemb import errors
+>>> issubclass(errors.ReproducibleNoiseWarning, errors.PrivacyWarning)
+True
+>>> warnings.simplefilter("error", errors.PrivacyWarning)  # fail on any
+>>> warnings.resetwarnings()
+"""
+
+
+class PrivacyWarning(UserWarning):
+    """Something weakens or voids the privacy guarantee: read before release."""
+
+
+class ReproducibleNoiseWarning(PrivacyWarning):
+    """A fixed seed makes the DP noise predictable: for tests only."""
+
+
+class ReproducibleSamplingWarning(PrivacyWarning):
+    """A fixed seed makes the sampling of users or examples predictable."""
+
+
+class DataDependentScheduleWarning(PrivacyWarning):
+    """A public hyperparameter of the schedule is derived from private data.
+
+    E.g. the number of virtual clients P = ceil(N / k) computed from the
+    private user count N: pass `num_clients` from a public count instead.
+    """
+
+
+class UnsupportedBackendError(ImportError):
+    """Keras is set to a backend kdpemb does not support."""
+
+
+class UnsupportedLayerError(ValueError):
+    """The backbone holds a layer that would leak private data."""
+
+
+class PrivacyBudgetExhaustedError(RuntimeError):
+    """Training was asked to continue with no privacy budget left."""
+
+
+class RoundTruncationError(RuntimeError):
+    """A round sampled more virtual clients than its fixed shape holds."""
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The dataset's files are in none of the places searched.
+
+    The message lists every place looked at, why each failed, and how to
+    provide the files.
+    """

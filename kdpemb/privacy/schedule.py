@@ -1,0 +1,240 @@
+"""`Schedule`: who is sampled, and how often, in a private training run.
+
+A schedule is the public half of a DP training run: the population of
+privacy units, the pool that is sampled from (examples, or virtual
+clients that group users), the expected sample per step, the sampling
+scheme and the local steps per round. With a noise multiplier and a clip
+norm it gives the run's `Mechanism`, and it is the only thing that does:
+data pipelines (`kdpemb.data.VirtualClients`) build it, models take it
+(from the data at their first `fit`, or from you) and save it with their
+config, so no setting is typed twice.
+
+Example:
+
+>>> from kdpemb.privacy import Schedule
+>>> schedule = Schedule.virtual_clients(num_users=10_000, clients_per_round=64,
+...                                     users_per_client=4)
+>>> schedule.pool_size, schedule.sampling_probability
+(2500, 0.0256)
+>>> schedule.privacy_mechanism(noise_multiplier=1.0).relation_name
+'replace_one'
+>>> Schedule.from_config(schedule.get_config()) == schedule
+True
+"""
+
+import dataclasses
+
+from kdpemb import _validation as validation
+from kdpemb.privacy import mechanisms
+
+SAMPLINGS = mechanisms.SAMPLINGS
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Population, pool, expected sample, sampling and steps per round.
+
+    Frozen and validated when created. Build it with `Schedule.examples`
+    (example-level DP-SGD) or `Schedule.virtual_clients` (user-level
+    DP-FedEmb and DP-FedAvg), or take it from `VirtualClients.schedule`.
+
+    Args:
+        population: int. Privacy units in the private data: examples, or
+            users.
+        sample_size: float. Expected units (examples, or virtual clients)
+            per step; exact for `sampling="fixed"`; the whole pool for
+            `"full_batch"`.
+        sampling: str. "poisson" (each unit independently with probability
+            `sample_size / pool_size`, the default), "fixed" (exactly
+            `sample_size` without replacement; RDP accountant only) or
+            "full_batch" (every unit in every step).
+        unit: str. "example" or "user".
+        users_per_client: int. k, users per virtual client (1 for
+            examples, or one user per client). Defaults to 1.
+        num_clients: int or None. P, the number of virtual clients, when
+            it is fixed from a public count. None derives it from the
+            private population as `ceil(population / users_per_client)`,
+            which treats the population as public (as DP-SGD's q = B / N
+            does).
+        local_steps: int. Local batches per client per round (1 for
+            DP-SGD). Defaults to 1.
+    """
+
+    population: int
+    sample_size: float
+    sampling: str = "poisson"
+    unit: str = "example"
+    users_per_client: int = 1
+    num_clients: int | None = None
+    local_steps: int = 1
+
+    def __post_init__(self):
+        validation.check_positive_int(self.population, "population")
+        validation.check_positive_int(self.local_steps, "local_steps")
+        if self.num_clients is not None:
+            validation.check_positive_int(self.num_clients, "num_clients")
+            if self.users_per_client == 1 and self.num_clients != self.population:
+                raise ValueError(
+                    f"num_clients={self.num_clients} groups users into virtual "
+                    "clients: it needs users_per_client > 1 (with one unit per "
+                    f"client the pool is the population, {self.population})."
+                )
+        self.privacy_mechanism(0.0)  # Validates the rest, once, in one place.
+
+    # Builders ---------------------------------------------------------
+
+    @classmethod
+    def examples(cls, num_examples, batch_size=None, *, sampling="poisson"):
+        """Example-level DP-SGD: batches of expected size `batch_size`.
+
+        Args:
+            num_examples: int. N.
+            batch_size: float or None. Expected batch size B (q = B / N);
+                None for one full batch of all N examples per step.
+            sampling: str. "poisson" (default) or "fixed".
+
+        Example:
+
+        >>> Schedule.examples(60_000, 256).sampling_probability
+        0.004266666666666667
+        >>> Schedule.examples(1_000).sampling
+        'full_batch'
+        """
+        num_examples = validation.check_positive_int(num_examples, "num_examples")
+        if batch_size is None or sampling == "full_batch":
+            return cls(num_examples, num_examples, "full_batch")
+        return cls(num_examples, batch_size, sampling)
+
+    @classmethod
+    def virtual_clients(
+        cls,
+        num_users,
+        clients_per_round,
+        *,
+        users_per_client=1,
+        num_clients=None,
+        sampling="poisson",
+        local_steps=1,
+    ):
+        """User-level rounds: `clients_per_round` virtual clients of k users.
+
+        Example:
+
+        >>> schedule = Schedule.virtual_clients(1_000, 10, users_per_client=4,
+        ...                                     num_clients=300, local_steps=2)
+        >>> schedule.pool_size, schedule.unit, schedule.local_steps
+        (300, 'user', 2)
+        """
+        num_users = validation.check_positive_int(num_users, "num_users")
+        users_per_client = validation.check_positive_int(
+            users_per_client, "users_per_client"
+        )
+        if users_per_client == 1 and num_clients is not None:
+            if num_clients != num_users:
+                raise ValueError(
+                    f"num_clients={num_clients} needs users_per_client > 1: with "
+                    f"one user per virtual client there are {num_users} clients."
+                )
+            num_clients = None
+        return cls(
+            population=num_users,
+            sample_size=clients_per_round,
+            sampling=sampling,
+            unit="user",
+            users_per_client=users_per_client,
+            num_clients=num_clients,
+            local_steps=local_steps,
+        )
+
+    # Derived values ----------------------------------------------------
+
+    @property
+    def pool_size(self):
+        """P: the number of units sampled from (examples or virtual clients)."""
+        if self.num_clients is not None:
+            return self.num_clients
+        return mechanisms.num_virtual_clients(self.population, self.users_per_client)
+
+    @property
+    def pool_is_public(self):
+        """Whether P was fixed from a public count rather than the population.
+
+        With k > 1 users per client and P derived from the private user
+        count, adding or removing a user can change P itself; pass
+        `num_clients` from a public count to avoid relying on that count.
+        """
+        return self.users_per_client == 1 or self.num_clients is not None
+
+    @property
+    def sampling_probability(self):
+        """q = sample_size / pool_size."""
+        return self.sample_size / self.pool_size
+
+    def steps_for_epochs(self, epochs):
+        """Steps in `epochs` expected passes over the pool (rounded up)."""
+        return self.privacy_mechanism(0.0).steps_for_epochs(epochs)
+
+    # The one source of a mechanism ---------------------------------------
+
+    def privacy_mechanism(self, noise_multiplier, clip_norm=None, *, setup=()):
+        """The `Mechanism` of one step with noise multiplier z and clip norm C.
+
+        Args:
+            noise_multiplier: float. z, the noise std over the clip norm.
+            clip_norm: float or None. C, for the statement.
+            setup: tuple of `GaussianRelease`. One-off releases before the
+                first step.
+
+        Example:
+
+        >>> Schedule.examples(60_000, 256).privacy_mechanism(1.1).unit
+        'example'
+        """
+        return mechanisms.SampledGaussian(
+            noise_multiplier=noise_multiplier,
+            sampling=self.sampling,
+            sample_size=self.sample_size,
+            pool_size=self.pool_size,
+            population=self.population,
+            unit=self.unit,
+            users_per_client=self.users_per_client,
+            clip_norm=clip_norm,
+            setup=setup,
+        )
+
+    def describe(self):
+        """One line in words.
+
+        Example:
+
+        >>> print(Schedule.examples(1_000).describe())
+        1000 examples; full batch: every example in every step
+        """
+        mechanism = self.privacy_mechanism(0.0)
+        group = (
+            f" in {self.pool_size} virtual clients of ~{self.users_per_client}"
+            if self.users_per_client > 1
+            else ""
+        )
+        steps = f"; {self.local_steps} local steps" if self.local_steps > 1 else ""
+        return (
+            f"{self.population} {self.unit}s{group}; "
+            f"{mechanism.describe_sampling()}{steps}"
+        )
+
+    # Saving ---------------------------------------------------------------
+
+    def get_config(self):
+        """A JSON-ready dict; `Schedule.from_config` rebuilds the schedule."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config):
+        if isinstance(config, cls):
+            return config
+        if not isinstance(config, dict):
+            raise TypeError(
+                f"A Schedule config is a dict from Schedule.get_config(), got "
+                f"{type(config).__name__}."
+            )
+        return cls(**config)
