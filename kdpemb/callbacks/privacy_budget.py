@@ -8,7 +8,11 @@ import keras
 from kdpemb import _validation as validation
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.privacy.accountant import MAX_SEARCH_STEPS, METHODS, Accountant
-from kdpemb.privacy.protocol import check_private_model, read_private_steps
+from kdpemb.privacy.protocol import (
+    check_private_model,
+    model_delta,
+    read_private_steps,
+)
 from kdpemb.privacy.statement import PrivacyStatement
 
 
@@ -39,7 +43,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     (see `python -m benchmarks accounting`).
 
     Args:
-        delta: float. The δ at which ε is reported; below 1/population.
+        delta: float or None. The δ at which ε is reported; below
+            1/population. None (the default) takes the model's `delta`,
+            so δ is given once, to the model.
         target_epsilon: float or None. Stop before ε would exceed this.
         accountant: str. "pld" (default, tight) or "rdp" (fast).
         value_discretization_interval: float. PLD resolution. 1e-3 makes
@@ -75,14 +81,15 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def __init__(
         self,
-        delta,
+        delta=None,
         target_epsilon=None,
         accountant="pld",
         value_discretization_interval=1e-4,
         verbose=1,
     ):
         super().__init__()
-        self.delta = validation.check_delta(delta)
+        self._given_delta = None if delta is None else validation.check_delta(delta)
+        self.delta = self._given_delta
         self.target_epsilon = (
             None
             if target_epsilon is None
@@ -106,7 +113,11 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         mechanism = check_private_model(self.model)
-        validation.check_delta(self.delta, mechanism.population, mechanism.unit)
+        self.delta = validation.check_delta(
+            model_delta(self.model, self._given_delta, "PrivacyBudget"),
+            mechanism.population,
+            mechanism.unit,
+        )
         if self._accountant is None or self._accountant.mechanism != mechanism:
             self._accountant = Accountant(
                 mechanism,

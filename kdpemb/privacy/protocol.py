@@ -10,6 +10,9 @@ Keras model that has:
   `train_step` adds exactly 1 (a step that reads private data) or 0.
 - `privacy_mechanism()`: returns the `kdpemb.privacy.Mechanism` of one such
   step. Every step counted by `private_steps` must have used it.
+- optionally `delta`: the model's δ (a float, or None). δ is given once,
+  to the model: `PrivacyBudget` and `privacy_statement` use it when they
+  are not given one.
 
 kdpemb's DP models implement it. Example of a minimal implementation:
 
@@ -84,15 +87,28 @@ def read_private_steps(model):
     return steps
 
 
-def privacy_statement(model, delta, accountant="pld"):
+def model_delta(model, delta=None, who="privacy_statement"):
+    """`delta` if given, else the model's own `delta`; a clear error if neither."""
+    if delta is None:
+        delta = getattr(model, "delta", None)
+    if delta is None:
+        raise ValueError(
+            f"{who} needs δ, and {type(model).__name__} has none: build the "
+            "model with delta=... (once per model), or pass delta=... here. "
+            "Choose δ well below 1/population."
+        )
+    return delta
+
+
+def privacy_statement(model, delta=None, accountant="pld"):
     """The `PrivacyStatement` of a model that implements the protocol.
 
     Args:
         model: a model with `private_steps` and `privacy_mechanism()`.
-        delta: float. The δ.
+        delta: float or None. The δ; None takes the model's `delta`.
         accountant: str. "pld" (default) or "rdp".
     """
     mechanism = check_private_model(model)
     return PrivacyStatement.compute(
-        mechanism, read_private_steps(model), delta, accountant
+        mechanism, read_private_steps(model), model_delta(model, delta), accountant
     )

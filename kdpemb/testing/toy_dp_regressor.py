@@ -4,13 +4,17 @@ For tests and benchmarks of privacy callbacks on both backends; kdpemb's
 real DP models replace it for training. Importing this module imports Keras.
 """
 
+import warnings
+
 import keras
 import numpy as np
 from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.errors import ReproducibleNoiseWarning
 from kdpemb.models import backends
+from kdpemb.privacy import gaussian_sum
 
 
 @keras.saving.register_keras_serializable(package="kdpemb.testing")
@@ -26,13 +30,17 @@ class ToyDPRegressor(keras.Model):
     adds 1 to `private_steps`, which is all it logs: a loss on the private
     data would itself be a release.
 
+    The sampling and the noise come from OS entropy, drawn afresh at
+    construction and at every `fit`, unless `seed` is given.
+
     Args:
         num_examples: int. N, the size of the private training set.
         num_features: int. Input dimension.
         noise_multiplier: float. z.
         sampling_probability: float. q.
         clip_norm: float. C. Defaults to 1.
-        seed: int or None. Seed of the sampling and noise (tests only).
+        seed: int or None. Seed of the sampling and noise (tests only: it
+            warns `ReproducibleNoiseWarning`).
     """
 
     def __init__(
@@ -64,7 +72,18 @@ class ToyDPRegressor(keras.Model):
             trainable=False,
             name="private_steps",
         )
-        self.seed_generator = keras.random.SeedGenerator(seed)
+        if seed is not None:
+            warnings.warn(
+                f"ToyDPRegressor(seed={seed!r}) fixes the sampling and the DP "
+                "noise: the guarantee is void. Use seed=None outside tests.",
+                ReproducibleNoiseWarning,
+                stacklevel=2,
+            )
+        self.sampling_seed = keras.random.SeedGenerator(seed or 0, name="sampling")
+        self.noise_seed = keras.random.SeedGenerator(
+            0 if seed is None else seed + 1, name="noise"
+        )
+        self._reseed()
         self.built = True
 
     def privacy_mechanism(self):
@@ -94,24 +113,39 @@ class ToyDPRegressor(keras.Model):
         # Where the batch size is not static (tf.function), this fails at run
         # time on any other batch size.
         x = ops.reshape(x, (self.num_examples, self.num_features))
-        q, clip = self.sampling_probability, self.clip_norm
-        sampled = keras.random.uniform((self.num_examples,), seed=self.seed_generator)
-        sampled = ops.cast(sampled < q, x.dtype)
+        uniform = keras.random.uniform((self.num_examples,), seed=self.sampling_seed)
+        sampled = uniform < self.sampling_probability
         residual = self(x) - ops.reshape(ops.cast(y, x.dtype), (-1,))
+        # Example i's gradient of ½(w·x + b − y)² is r_i (x_i, 1).
         norms = ops.abs(residual) * ops.sqrt(ops.sum(x * x, axis=1) + 1.0)
-        scale = sampled * ops.minimum(1.0, clip / ops.maximum(norms, 1e-12))
-        weights = scale * residual
-        std = self.noise_multiplier * clip
-        noise_w = keras.random.normal(
-            (self.num_features,), stddev=std, seed=self.seed_generator
+
+        def weighted_sum(factors):
+            weights = ops.where(factors > 0, factors * residual, 0.0)
+            return [ops.matmul(weights, x), ops.sum(weights)]
+
+        clipped = gaussian_sum.clipped_sum_from_norms(
+            norms, self.clip_norm, weighted_sum, mask=sampled
         )
-        noise_b = keras.random.normal((), stddev=std, seed=self.seed_generator)
-        denominator = q * self.num_examples
-        grad_w = (ops.matmul(weights, x) + noise_w) / denominator
-        grad_b = (ops.sum(weights) + noise_b) / denominator
-        self.optimizer.apply([grad_w, grad_b], [self.kernel, self.bias])
+        noisy = gaussian_sum.add_gaussian_noise(
+            clipped, self.noise_multiplier, self.noise_seed
+        )
+        denominator = self.sampling_probability * self.num_examples
+        self.optimizer.apply(
+            [total / denominator for total in noisy], [self.kernel, self.bias]
+        )
         self.private_steps.assign_add(1)
         return {"private_steps": self.private_steps.value}
+
+    def fit(self, *args, **kwargs):
+        self._reseed()
+        return super().fit(*args, **kwargs)
+
+    def _reseed(self):
+        # OS entropy at construction and at every fit: neither
+        # keras.utils.set_random_seed nor a saved file predicts the draws.
+        if self.seed is None:
+            gaussian_sum.reseed_from_entropy(self.sampling_seed)
+            gaussian_sum.reseed_from_entropy(self.noise_seed)
 
     def get_config(self):
         config = super().get_config()
@@ -121,7 +155,7 @@ class ToyDPRegressor(keras.Model):
             noise_multiplier=self.noise_multiplier,
             sampling_probability=self.sampling_probability,
             clip_norm=self.clip_norm,
-            seed=self.seed,
+            seed=None,  # A loaded model draws fresh noise: never reuse the seed.
         )
         return config
 

@@ -315,3 +315,25 @@ def test_a_sampling_probability_outside_zero_one_is_refused(q):
 def test_bad_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrivacyBudget(**kwargs)
+
+
+def test_delta_is_given_once_to_the_model():
+    import kdpemb
+
+    model = kdpemb.testing.ToyDPRegressor(
+        num_examples=64, num_features=3, noise_multiplier=1.5, sampling_probability=0.1
+    )
+    model.compile(optimizer="sgd")
+    data = kdpemb.testing.toy_regression_data(64, 3, steps_per_epoch=2)
+    budget = kdpemb.callbacks.PrivacyBudget(verbose=0)
+    with pytest.raises(ValueError, match="needs δ.*delta=") as error:
+        model.fit(data, epochs=1, verbose=0, callbacks=[budget])
+    assert kdpemb.privacy.read_private_steps(model) == 0, error.value
+    model.delta = 1e-3  # The model's own δ, as kdpemb's models take it.
+    history = model.fit(data, epochs=1, verbose=0, callbacks=[budget])
+    assert budget.delta == 1e-3
+    statement = kdpemb.privacy.privacy_statement(model)
+    assert statement.delta == 1e-3
+    assert history.history["epsilon"][-1] == pytest.approx(statement.epsilon)
+    # An explicit δ still wins over the model's.
+    assert kdpemb.privacy.privacy_statement(model, delta=1e-4).delta == 1e-4

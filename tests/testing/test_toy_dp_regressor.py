@@ -54,3 +54,34 @@ def test_noise_std_is_z_c_over_the_expected_batch(z, q):
     expected_std = z * clip / (q * n)
     assert np.std(step[:-1]) == pytest.approx(expected_std, rel=0.06)
     assert abs(np.mean(step[:-1])) < 4 * expected_std / np.sqrt(d)
+
+
+def noisy_weights_after_global_seed(global_seed):
+    """Weights after one noisy step of a seedless model built after
+    `keras.utils.set_random_seed(global_seed)`: the noise alone (zero data)."""
+    keras.utils.set_random_seed(global_seed)
+    model = ToyDPRegressor(16, 50, noise_multiplier=1.0, sampling_probability=1.0)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0))
+    zeros = np.zeros((16, 50), "float32")
+    model.fit(FullBatchSequence(zeros, np.zeros(16, "float32"), 1), verbose=0)
+    return keras.ops.convert_to_numpy(model.kernel)
+
+
+def test_a_global_keras_seed_does_not_predict_the_noise():
+    # keras.utils.set_random_seed is in documented examples; it must not fix
+    # the DP noise of a model built without a seed.
+    first = noisy_weights_after_global_seed(0)
+    second = noisy_weights_after_global_seed(0)
+    assert np.abs(first).min() > 0  # The step is the noise.
+    assert not np.allclose(first, second)
+
+
+def test_a_fixed_seed_warns_that_the_noise_is_predictable():
+    from kdpemb.errors import ReproducibleNoiseWarning
+
+    with pytest.warns(ReproducibleNoiseWarning, match="guarantee is void"):
+        ToyDPRegressor(8, 2, noise_multiplier=1.0, sampling_probability=0.5, seed=1)
+    config = ToyDPRegressor(
+        8, 2, noise_multiplier=1.0, sampling_probability=0.5
+    ).get_config()
+    assert config["seed"] is None

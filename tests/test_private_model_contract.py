@@ -1,0 +1,32 @@
+"""Every private model keeps the contract of `tests/contract.py`."""
+
+import keras
+import pytest
+
+from kdpemb.testing import ToyDPRegressor, toy_regression_data
+from tests.contract import ContractCase, run_private_model_contract
+
+
+def toy_case():
+    data = toy_regression_data(64, 3, steps_per_epoch=3)
+
+    def build():
+        model = ToyDPRegressor(
+            num_examples=64, num_features=3, noise_multiplier=1.0,
+            sampling_probability=0.25,
+        )  # fmt: skip
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    def fit(model, epochs, callbacks):
+        return model.fit(data, epochs=epochs, callbacks=callbacks, verbose=0)
+
+    return ContractCase("toy_dp_regressor", build, fit, 3, "example", 1e-3)
+
+
+CASES = {"toy_dp_regressor": toy_case}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_private_model_keeps_the_contract(name, tmp_path):
+    run_private_model_contract(CASES[name](), tmp_path)
