@@ -326,7 +326,7 @@ def test_delta_is_given_once_to_the_model():
     model.compile(optimizer="sgd")
     data = kdpemb.testing.toy_regression_data(64, 3, steps_per_epoch=2)
     budget = kdpemb.callbacks.PrivacyBudget(verbose=0)
-    with pytest.raises(ValueError, match="needs δ.*delta=") as error:
+    with pytest.raises(ValueError, match=r"needs δ.*delta=") as error:
         model.fit(data, epochs=1, verbose=0, callbacks=[budget])
     assert kdpemb.privacy.read_private_steps(model) == 0, error.value
     model.delta = 1e-3  # The model's own δ, as kdpemb's models take it.
