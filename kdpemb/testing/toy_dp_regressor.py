@@ -4,16 +4,13 @@ For tests and benchmarks of privacy callbacks on both backends; kdpemb's
 real DP models replace it for training. Importing this module imports Keras.
 """
 
-import warnings
-
 import keras
 import numpy as np
 from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.errors import ReproducibleNoiseWarning
-from kdpemb.models import backends
+from kdpemb.models import backends, private_state
 from kdpemb.privacy import gaussian_sum
 
 
@@ -65,34 +62,17 @@ class ToyDPRegressor(keras.Model):
             shape=(self.num_features,), initializer="zeros", name="kernel"
         )
         self.bias = self.add_weight(shape=(), initializer="zeros", name="bias")
-        self.private_steps = self.add_weight(
-            shape=(),
-            dtype="int32",
-            initializer="zeros",
-            trainable=False,
-            name="private_steps",
+        self.private_steps = private_state.add_private_steps(self)
+        self.sampling_seed, self.noise_seed = private_state.noise_seed_generators(
+            seed, ("sampling_seed", "noise_seed"), "ToyDPRegressor"
         )
-        if seed is not None:
-            warnings.warn(
-                f"ToyDPRegressor(seed={seed!r}) fixes the sampling and the DP "
-                "noise: the guarantee is void. Use seed=None outside tests.",
-                ReproducibleNoiseWarning,
-                stacklevel=2,
-            )
-        self.sampling_seed = keras.random.SeedGenerator(seed or 0, name="sampling")
-        self.noise_seed = keras.random.SeedGenerator(
-            0 if seed is None else seed + 1, name="noise"
-        )
-        self._reseed()
         self.built = True
 
     def privacy_mechanism(self):
-        return privacy.dp_sgd(
-            self.noise_multiplier,
-            batch_size=self.sampling_probability * self.num_examples,
-            num_examples=self.num_examples,
-            clip_norm=self.clip_norm,
+        schedule = privacy.Schedule.examples(
+            self.num_examples, self.sampling_probability * self.num_examples
         )
+        return schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
 
     def call(self, x):
         return ops.matmul(x, self.kernel) + self.bias
@@ -141,11 +121,9 @@ class ToyDPRegressor(keras.Model):
         return super().fit(*args, **kwargs)
 
     def _reseed(self):
-        # OS entropy at construction and at every fit: neither
-        # keras.utils.set_random_seed nor a saved file predicts the draws.
-        if self.seed is None:
-            gaussian_sum.reseed_from_entropy(self.sampling_seed)
-            gaussian_sum.reseed_from_entropy(self.noise_seed)
+        # OS entropy at every fit: neither keras.utils.set_random_seed nor a
+        # saved file predicts the draws.
+        private_state.reseed([self.sampling_seed, self.noise_seed], self.seed)
 
     def get_config(self):
         config = super().get_config()

@@ -1,0 +1,87 @@
+"""The state every private model keeps: its step count and its noise seeds.
+
+Written once for every kdpemb model (and usable by your own, see
+`kdpemb.privacy.protocol`):
+
+- `add_private_steps(model)`: the non-trainable int32 `private_steps`
+  variable. It is model state, so `save`, `save_weights` and checkpoints
+  keep it, and a restored model keeps counting. Under `tf.distribute` only
+  the first replica's value is kept.
+- `noise_seed_generators(seed, names, owner)`: the
+  `keras.random.SeedGenerator`s of DP randomness (noise, sampling, random
+  heads). Assign them to attributes of the model, so that Keras tracks
+  their state (a JAX train step must carry it). With `seed=None` they are
+  filled from OS entropy; call `reseed(generators, seed)` again at every
+  `fit`, so neither `keras.utils.set_random_seed`, a copied model nor a
+  saved file predicts later draws. A fixed seed warns
+  `ReproducibleNoiseWarning`.
+
+Example:
+
+>>> import keras
+>>> class Tiny(keras.Model):
+...     def __init__(self, seed=None, **kwargs):
+...         super().__init__(**kwargs)
+...         self.private_steps = add_private_steps(self)
+...         (self.noise_seed,) = noise_seed_generators(seed, ("noise",), "Tiny")
+>>> model = Tiny()
+>>> int(keras.ops.convert_to_numpy(model.private_steps))
+0
+>>> any(v is model.noise_seed.state for v in model.non_trainable_variables)
+True
+"""
+
+import warnings
+
+import keras
+
+from kdpemb.errors import ReproducibleNoiseWarning
+from kdpemb.privacy import gaussian_sum
+
+
+def add_private_steps(model):
+    """Adds the `private_steps` counter to `model` and returns it."""
+    return model.add_weight(
+        shape=(),
+        dtype="int32",
+        initializer="zeros",
+        trainable=False,
+        aggregation="only_first_replica",
+        name="private_steps",
+    )
+
+
+def noise_seed_generators(seed, names, owner):
+    """One `SeedGenerator` per name, filled from OS entropy unless `seed` is set.
+
+    Args:
+        seed: int or None. None (for any model you release) fills every
+            generator from OS entropy. An int derives generator i from
+            `seed + i` and warns: tests only.
+        names: sequence of str. The generators' names.
+        owner: str. The model's name, for the warning.
+
+    Returns:
+        list of `keras.random.SeedGenerator`.
+    """
+    if seed is not None:
+        warnings.warn(
+            f"{owner}(seed={seed!r}) fixes the DP noise and sampling: anyone "
+            "who knows the seed can predict them, and the guarantee is void. "
+            "Use seed=None for a model you release.",
+            ReproducibleNoiseWarning,
+            stacklevel=3,
+        )
+    generators = [
+        keras.random.SeedGenerator(0 if seed is None else int(seed) + index, name=name)
+        for index, name in enumerate(names)
+    ]
+    return reseed(generators, seed)
+
+
+def reseed(generators, seed):
+    """Fresh OS entropy in every generator when `seed` is None; returns them."""
+    if seed is None:
+        for generator in generators:
+            gaussian_sum.reseed_from_entropy(generator)
+    return generators
