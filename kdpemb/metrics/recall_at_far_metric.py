@@ -1,4 +1,4 @@
-"""`RecallAtFAR`: exact Recall@FAR as a `keras.metrics.Metric`."""
+"""`RecallAtFARMetric`: exact Recall@FAR as a `keras.metrics.Metric`."""
 
 import warnings
 
@@ -32,8 +32,12 @@ def far_key(far):
     return f"recall@far={short if float(short) == far else repr(float(far))}"
 
 
-class RecallAtFAR(keras.metrics.Metric):
+@keras.saving.register_keras_serializable(package="kdpemb")
+class RecallAtFARMetric(keras.metrics.Metric):
     """Recall@FAR over every pair of the evaluation set, as a Keras metric.
+
+    (The `kdpemb.callbacks.RecallAtFAR` callback measures the same value on
+    held-out identities at the end of each epoch of training.)
 
     `update_state(labels, embeddings)` appends each batch to a buffer of
     `capacity` rows (kept in metric variables, so it works inside compiled
@@ -68,7 +72,7 @@ class RecallAtFAR(keras.metrics.Metric):
     Example:
 
     >>> import numpy as np
-    >>> metric = RecallAtFAR(far=0.25, embedding_dim=2, capacity=8)
+    >>> metric = RecallAtFARMetric(far=0.25, embedding_dim=2, capacity=8)
     >>> metric.update_state(np.array([0, 0, 1, 1]),
     ...                     np.array([[1, 0], [1, .1], [0, 1], [.1, 1]]))
     >>> float(metric.result())
@@ -88,7 +92,9 @@ class RecallAtFAR(keras.metrics.Metric):
     ):
         far_value = float(verification._check_far(far)[0])
         if np.ndim(far) != 0:
-            raise ValueError("RecallAtFAR takes one far; make one metric per FAR.")
+            raise ValueError(
+                "RecallAtFARMetric takes one far; make one metric per FAR."
+            )
         if pairs not in verification.PAIRS:
             raise ValueError(
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
@@ -119,19 +125,19 @@ class RecallAtFAR(keras.metrics.Metric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         if sample_weight is not None:
             raise ValueError(
-                "RecallAtFAR counts every pair once; it takes no sample_weight."
+                "RecallAtFARMetric counts every pair once; it takes no sample_weight."
             )
         ops = keras.ops
         y_pred = ops.cast(ops.convert_to_tensor(y_pred), "float32")
         y_true = ops.reshape(ops.cast(ops.convert_to_tensor(y_true), "int32"), (-1,))
         if y_pred.shape[-1] is not None and y_pred.shape[-1] != self.embedding_dim:
             raise ValueError(
-                f"RecallAtFAR(embedding_dim={self.embedding_dim}) got embeddings "
+                f"RecallAtFARMetric(embedding_dim={self.embedding_dim}) got embeddings "
                 f"of width {y_pred.shape[-1]}."
             )
         if y_pred.shape[0] is not None and y_pred.shape[0] > self.capacity:
             raise ValueError(
-                f"RecallAtFAR(capacity={self.capacity}) got a batch of "
+                f"RecallAtFARMetric(capacity={self.capacity}) got a batch of "
                 f"{y_pred.shape[0]} embeddings; pass a larger capacity."
             )
         size = ops.shape(y_pred)[0]
@@ -152,7 +158,7 @@ class RecallAtFAR(keras.metrics.Metric):
         nan = keras.ops.convert_to_tensor(float("nan"))
         if int(np.asarray(self.overflow.value)):
             warnings.warn(
-                f"RecallAtFAR(capacity={self.capacity}) received more "
+                f"RecallAtFARMetric(capacity={self.capacity}) received more "
                 "embeddings than it can hold, so its value is NaN. Pass a "
                 "larger capacity (in fit, the training batches count too).",
                 UserWarning,

@@ -4,7 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-from kdpemb.metrics import RecallAtFAR, far_key, recall_at_far
+from kdpemb.metrics import RecallAtFARMetric, recall_at_far
+from kdpemb.metrics.recall_at_far_metric import far_key
 
 
 def data(seed=0, identities=20, per_identity=5, dim=8):
@@ -29,7 +30,7 @@ def identity_model(dim, metrics):
 @pytest.mark.parametrize("batch_size", [7, 32, 100])
 def test_metric_in_evaluate_equals_the_function(batch_size):
     x, y = data()
-    metric = RecallAtFAR(far=0.02, embedding_dim=8, capacity=128)
+    metric = RecallAtFARMetric(far=0.02, embedding_dim=8, capacity=128)
     model = identity_model(8, [metric])
     logs = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
     assert logs["recall@far=2e-02"] == pytest.approx(recall_at_far(x, y, 0.02))
@@ -46,7 +47,7 @@ def test_metric_in_fit_validation_logs_even_when_training_overflows():
     model.compile(
         optimizer="sgd",
         loss=lambda t, p: keras.ops.mean(p * 0.0),
-        metrics=[RecallAtFAR(0.05, embedding_dim=8, capacity=120)],
+        metrics=[RecallAtFARMetric(0.05, embedding_dim=8, capacity=120)],
     )
     with pytest.warns(UserWarning, match="capacity=120"):
         history = model.fit(
@@ -61,10 +62,12 @@ def test_metric_in_fit_validation_logs_even_when_training_overflows():
 
 def test_metric_runs_eagerly_batch_by_batch():
     x, y = data()
-    model = identity_model(8, [RecallAtFAR(far=1e-3, embedding_dim=8, capacity=128)])
+    model = identity_model(
+        8, [RecallAtFARMetric(far=1e-3, embedding_dim=8, capacity=128)]
+    )
     model.compile(
         loss=lambda t, p: keras.ops.mean(p * 0.0),
-        metrics=[RecallAtFAR(far=1e-3, embedding_dim=8, capacity=128)],
+        metrics=[RecallAtFARMetric(far=1e-3, embedding_dim=8, capacity=128)],
         run_eagerly=True,
     )
     logs = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
@@ -73,7 +76,9 @@ def test_metric_runs_eagerly_batch_by_batch():
 
 def test_in_batch_pairs_use_the_given_batch_size():
     x, y = data()
-    metric = RecallAtFAR(0.05, embedding_dim=8, pairs="in_batch", in_batch_size=50)
+    metric = RecallAtFARMetric(
+        0.05, embedding_dim=8, pairs="in_batch", in_batch_size=50
+    )
     metric.update_state(y, x)
     expected = recall_at_far(x, y, 0.05, pairs="in_batch", batch_size=50)
     assert float(metric.result()) == pytest.approx(expected)
@@ -89,17 +94,17 @@ def test_far_keys_never_collide():
 
 def test_more_embeddings_than_capacity_give_nan_never_a_partial_value():
     x, y = data()
-    model = identity_model(8, [RecallAtFAR(0.05, embedding_dim=8, capacity=60)])
+    model = identity_model(8, [RecallAtFARMetric(0.05, embedding_dim=8, capacity=60)])
     with pytest.warns(UserWarning, match="capacity=60"):
         logs = model.evaluate(x, y, batch_size=25, verbose=0, return_dict=True)
     assert np.isnan(logs["recall@far=5e-02"])
     with pytest.raises(ValueError, match="batch of 100"):
-        RecallAtFAR(0.05, embedding_dim=8, capacity=60).update_state(y, x)
+        RecallAtFARMetric(0.05, embedding_dim=8, capacity=60).update_state(y, x)
 
 
 def test_eager_update_and_reset():
     x, y = data()
-    metric = RecallAtFAR(0.05, embedding_dim=8, capacity=100)
+    metric = RecallAtFARMetric(0.05, embedding_dim=8, capacity=100)
     metric.update_state(y[:50], x[:50])
     metric.update_state(y[50:], x[50:])
     assert float(metric.result()) == pytest.approx(recall_at_far(x, y, 0.05))
@@ -120,11 +125,11 @@ def test_eager_update_and_reset():
 )
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RecallAtFAR(**kwargs)
+        RecallAtFARMetric(**kwargs)
 
 
 def test_wrong_width_and_sample_weights_are_refused():
-    metric = RecallAtFAR(0.1, embedding_dim=4, capacity=10)
+    metric = RecallAtFARMetric(0.1, embedding_dim=4, capacity=10)
     with pytest.raises(ValueError, match="width 3"):
         metric.update_state(np.zeros(2), np.zeros((2, 3)))
     with pytest.raises(ValueError, match="sample_weight"):
@@ -132,10 +137,10 @@ def test_wrong_width_and_sample_weights_are_refused():
 
 
 def test_config_round_trip():
-    metric = RecallAtFAR(
+    metric = RecallAtFARMetric(
         0.01, embedding_dim=4, capacity=10, pairs="in_batch", in_batch_size=7
     )
-    clone = RecallAtFAR.from_config(metric.get_config())
+    clone = RecallAtFARMetric.from_config(metric.get_config())
     assert (clone.far, clone.capacity, clone.pairs, clone.in_batch_size) == (
         0.01,
         10,
@@ -143,3 +148,22 @@ def test_config_round_trip():
         7,
     )
     assert clone.name == "recall@far=1e-02"
+
+
+def test_the_metric_is_serialisable():
+    metric = RecallAtFARMetric(0.05, embedding_dim=8, capacity=64, name="tar")
+    clone = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(metric)
+    )
+    assert type(clone) is RecallAtFARMetric
+    assert (clone.far, clone.capacity, clone.name) == (0.05, 64, "tar")
+    x, y = data(seed=1, identities=10)
+    logs = identity_model(8, [clone]).evaluate(x, y, verbose=0, return_dict=True)
+    assert logs["tar"] == pytest.approx(recall_at_far(x, y, 0.05))
+
+
+def test_the_old_metric_name_still_works_and_warns():
+    import kdpemb.metrics
+
+    with pytest.warns(DeprecationWarning, match="RecallAtFARMetric"):
+        assert kdpemb.metrics.RecallAtFAR is RecallAtFARMetric
