@@ -120,11 +120,10 @@ def extract(
     >>> np.array_equal(first, again), files
     (True, 1)
     """
-    inputs.check_batch_size(batch_size)
     verbose = _check_verbose(verbose)
     cache = feature_cache.open_cache(cache, backbone_name, data_name)
-    spec = _BackboneSpec(backbone)
     source = inputs.open_input(data, ("images", "labels"), batch_size=batch_size)
+    spec = _BackboneSpec(backbone)
     if not source.is_stream and spec.input_shape is not None:
         spec.check_image_shape(source.shape, source.name, stream=False)
 

@@ -39,21 +39,11 @@ class Batch(NamedTuple):
     where: str = "data"
 
 
-def is_tf_dataset(data):
-    """Whether `data` is a `tf.data.Dataset`, without importing TensorFlow.
+def is_dataset(data):
+    """Whether `data` is a `tf.data.Dataset` or a `keras.utils.PyDataset`.
 
-    Example:
-
-    >>> import numpy as np
-    >>> is_tf_dataset(np.zeros((2, 3)))
-    False
-    """
-    tf = sys.modules.get("tensorflow")
-    return tf is not None and isinstance(data, tf.data.Dataset)
-
-
-def is_py_dataset(data):
-    """Whether `data` is a `keras.utils.PyDataset`, without importing Keras.
+    Imports neither TensorFlow nor Keras: neither object can exist before
+    its library is loaded.
 
     Example:
 
@@ -63,20 +53,27 @@ def is_py_dataset(data):
     ...         return 2
     ...     def __getitem__(self, index):
     ...         return np.zeros((4, 3))
-    >>> is_py_dataset(Two()), is_py_dataset([np.zeros((4, 3))])
+    >>> is_dataset(Two()), is_dataset([np.zeros((4, 3))])
     (True, False)
     """
+    return _is_tf_dataset(data) or _is_py_dataset(data)
+
+
+def _is_tf_dataset(data):
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(data, tf.data.Dataset)
+
+
+def _is_py_dataset(data):
     keras = sys.modules.get("keras")
     return keras is not None and isinstance(data, keras.utils.PyDataset)
 
 
-def is_array_like(data):
-    """Whether `data` has `shape`, `dtype`, `len()` and indexing, like an array."""
+def _is_array_like(data):
     return all(hasattr(data, a) for a in ("shape", "dtype", "__len__", "__getitem__"))
 
 
-def check_batch_size(batch_size):
-    """Returns `batch_size` if it is a positive int, else raises ValueError."""
+def _check_batch_size(batch_size):
     if (
         isinstance(batch_size, bool)
         or not isinstance(batch_size, numbers.Integral)
@@ -90,7 +87,13 @@ def check_batch_size(batch_size):
 
 
 def shape_text(shape):
-    """`(None, 8, 8, 1)`-style text of a shape."""
+    """`(None, 8, 8, 1)`-style text of a shape.
+
+    Example:
+
+    >>> shape_text((None, 8, 8, 1))
+    '(None, 8, 8, 1)'
+    """
     return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
 
 
@@ -117,7 +120,8 @@ def open_input(
         single_examples: bool. Whether a stream's elements may be single
             examples (known by a scalar label), each read as a batch of
             one. Defaults to `False`.
-        batch_size: int. Rows per batch of arrays. Defaults to `256`.
+        batch_size: int. Rows per batch of arrays (a dataset keeps its
+            own batches). Defaults to `256`.
 
     Raises:
         TypeError: if `data` is of no kind above.
@@ -135,13 +139,13 @@ def open_input(
     """
     if isinstance(data, Input):
         return data
+    batch_size = _check_batch_size(batch_size)
     layout = _Layout(tuple(fields), required, ignore_extra)
-    if is_tf_dataset(data):
+    if _is_tf_dataset(data):
         return _TFDataInput(data, layout, single_examples)
-    if is_py_dataset(data):
+    if _is_py_dataset(data):
         return _PyDataInput(data, layout, single_examples)
-    batch_size = check_batch_size(batch_size)
-    if isinstance(data, np.ndarray | list) or is_array_like(data):
+    if isinstance(data, np.ndarray | list) or _is_array_like(data):
         parts, name = (data,), "data"
     elif hasattr(data, "images"):
         names = layout.fields[: layout.required]
@@ -235,7 +239,7 @@ def _as_images(images):
                 f"Images of inconsistent shapes: {sorted(shapes)[:3]}. Resize "
                 "them to one size first."
             )
-    if isinstance(images, np.ndarray) or is_array_like(images):
+    if isinstance(images, np.ndarray) or _is_array_like(images):
         return images
     return np.asarray(images)
 
@@ -258,7 +262,6 @@ class Input:
     where unknown before reading).
     """
 
-    is_stream = True
     num_examples = None
 
     def batches(self, batch_size=None):
@@ -319,7 +322,9 @@ class _ArrayInput(Input):
         for start in range(0, self.num_examples, step):
             stop = min(start + step, self.num_examples)
             parts = [np.asarray(part[start:stop]) for part in self._parts]
-            yield Batch(*parts, where=f"{self.name}[{start}:{stop}]")
+            where = f"{self.name}[{start}:{stop}]"
+            _check_images(parts[0], where)
+            yield Batch(*parts, where=where)
 
     def arrays(self):
         return Batch(*self._parts)
@@ -327,6 +332,8 @@ class _ArrayInput(Input):
 
 class _StreamInput(Input):
     """Elements of a tf.data.Dataset or a PyDataset, read in order."""
+
+    is_stream = True
 
     def __init__(self, layout, single_examples):
         self.layout, self.single_examples = layout, single_examples

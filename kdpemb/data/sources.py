@@ -40,7 +40,7 @@ def read_source(images, labels=None, user_ids=None, *, num_classes=None):
                 "not both: a UserImages already carries labels and user ids."
             )
         data = images
-    elif inputs.is_tf_dataset(images) or inputs.is_py_dataset(images):
+    elif inputs.is_dataset(images):
         if labels is not None or user_ids is not None:
             raise ValueError(
                 "A dataset must yield (images, labels, user_ids) itself; do "

@@ -181,7 +181,7 @@ def test_telling_the_kind_of_data_imports_no_tensorflow():
         "    def __getitem__(self, i): return np.zeros((3, 2))\n"
         "for data in (np.zeros((3, 2)), (np.zeros((3, 2)), np.arange(3)), Two()):\n"
         "    list(inputs.open_input(data).batches())\n"
-        "print('tensorflow' in sys.modules, inputs.is_py_dataset(Two()))\n"
+        "print('tensorflow' in sys.modules, inputs.is_dataset(Two()))\n"
     )
     env = dict(os.environ, KERAS_BACKEND="jax")
     result = subprocess.run(
