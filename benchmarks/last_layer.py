@@ -233,9 +233,15 @@ def features(config):
     model, notes = _pretrained(config, public, test)
     cache = pathlib.Path(config.cache) / "features"
     start = time.perf_counter()
-    public_x = extract(model.backbone, public[0], cache=cache, verbose=0)
-    private_x = extract(model.backbone, private[0], cache=cache, verbose=0)
-    test_x = extract(model.backbone, test[0], cache=cache, verbose=0)
+    public_x = extract(
+        model.backbone, public[0], cache=cache, backbone_name="cnn", verbose=0
+    )
+    private_x = extract(
+        model.backbone, private[0], cache=cache, backbone_name="cnn", verbose=0
+    )
+    test_x = extract(
+        model.backbone, test[0], cache=cache, backbone_name="cnn", verbose=0
+    )
     seconds = time.perf_counter() - start
     mean = public_x.mean(axis=0)  # Public: centring costs no privacy.
     public_x, private_x, test_x = public_x - mean, private_x - mean, test_x - mean
@@ -542,7 +548,7 @@ def wide(quick=False, config=None, epsilons=(0.5, 1.0)):
     )
     cache = pathlib.Path(config.cache) / "features"
     arrays = [
-        extract(wide_backbone, images, cache=cache, verbose=0)
+        extract(wide_backbone, images, cache=cache, backbone_name="wide", verbose=0)
         for images in (public[0], private[0], test[0])
     ]
     mean = arrays[0].mean(axis=0)

@@ -118,7 +118,9 @@ def main(argv=None):
     test = (x_test[: size["test"]], y_test[: size["test"]])
 
     backbone = public_backbone((x[public], y[public]), size, cache)
-    public_features = extract(backbone, x[public], cache=cache, verbose=0)
+    public_features = extract(
+        backbone, x[public], cache=cache, backbone_name="example-cnn", verbose=0
+    )
     mean = public_features.mean(axis=0)
     centred = keras.Sequential(
         [backbone, keras.layers.Normalization(mean=mean, variance=np.ones_like(mean),
@@ -128,10 +130,14 @@ def main(argv=None):
     # The clip norm comes from public data: it must not depend on private data.
     feature_clip_norm = float(np.median(np.linalg.norm(public_features - mean, axis=1)))
     start = time.perf_counter()
+    # Same weights as `backbone` (the centring is no weight): another name.
+    name = "example-cnn-centred"
     features, labels = extract(
-        centred, (x[private], y[private]), cache=cache, verbose=0
+        centred, (x[private], y[private]), cache=cache, backbone_name=name, verbose=0
     )
-    test_features, test_labels = extract(centred, test, cache=cache, verbose=0)
+    test_features, test_labels = extract(
+        centred, test, cache=cache, backbone_name=name, verbose=0
+    )
     print(f"features: {features.shape[0]:,} private and {test_features.shape[0]:,} "
           f"test, dimension {features.shape[1]} ({time.perf_counter() - start:.0f} s); "
           f"C_x = {feature_clip_norm:.2f}")  # fmt: skip

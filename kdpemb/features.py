@@ -2,47 +2,23 @@
 
 `extract` runs a backbone over images once, in inference mode and batch by
 batch, and returns its embeddings as a float32 NumPy array, which a
-classifier then fits a linear head to with DP. With `cache=` the features
-are kept on disk under a SHA-256 of the backbone and the data, so running
-the same backbone on the same images again loads them instead.
-
-**The cache key** is a SHA-256 of: a format tag; the backbone's
-architecture (`backbone.to_json()`, the `get_config()` of every layer it
-holds, and the bytecode of every method of the non-Keras classes among
-them, i.e. custom layers and subclassed models, whose `call` no config
-describes); every weight's shape, dtype and bytes, in order; and the data:
-for arrays their shape, dtype and a SHA-256 of their bytes (read in chunks
-of 16 MiB), for streams the `cache_key` you name them by. The Keras backend
-is not part of it (TensorFlow and JAX agree up to float error), nor is
-kdpemb's or Keras' version. Layer names are part of it, so a model rebuilt
-in the same process with auto-generated names (`dense_1` for `dense`)
-misses the cache and is recomputed; a backbone whose behaviour hangs on
-state outside its configs, weights and code (a closure, a global) is not
-told apart: use `cache=None` or a fresh directory for those.
+classifier then fits a linear head to with DP. With `cache=` and
+`backbone_name=` the features are kept on disk (`kdpemb.feature_cache`),
+so running the same backbone on the same images again loads them instead.
+What `data` may be is read by `kdpemb.data.inputs`.
 """
 
-import contextlib
-import hashlib
-import json
-import math
-import numbers
-import os
-import pathlib
 import sys
-import tempfile
-import types
-import warnings
 
 import keras
 import numpy as np
 
+from kdpemb import feature_cache
+from kdpemb.data import inputs
+
 __all__ = ["extract"]
 
 VERBOSE = ("auto", 0, 1, 2)
-_KEY_FORMAT = b"kdpemb.features/1"
-_HASH_CHUNK_BYTES = 1 << 24
-# Classes whose code the cache key leaves out: their behaviour is their config.
-_LIBRARY_MODULES = ("builtins", "abc", "typing", "keras", "tensorflow", "jax")
 _POOLING_FIX = (
     "Pool or flatten the other axes inside the backbone, e.g. end it with "
     "keras.layers.GlobalAveragePooling2D() (or pass pooling='avg' to a "
@@ -56,7 +32,8 @@ def extract(
     *,
     batch_size=256,
     cache=None,
-    cache_key=None,
+    backbone_name=None,
+    data_name=None,
     verbose="auto",
 ):
     """Returns the features of `backbone` on every image of `data`, in order.
@@ -82,7 +59,8 @@ def extract(
       images, or of `(images, labels)`, read once in order with their own
       batching (`batch_size` is unused; a PyDataset's batches are read one
       by one in this process, whatever its `workers`): returns `features`,
-      or `(features, labels)` with the labels of all batches concatenated.
+      or `(features, labels)` with the labels of all batches concatenated;
+    - an `Input` from `kdpemb.data.inputs.open_input`, read as it is.
 
     Args:
         backbone: a built `keras.Model` mapping images to `(batch, D)`.
@@ -90,15 +68,20 @@ def extract(
         batch_size: int. Images per backbone call for array data. Defaults
             to `256`.
         cache: str, path-like or None. A directory (created if missing) to
-            keep the features in, as `features-<key>.npy` (float32, plus
-            `features-<key>.labels.npy` for labels), written atomically.
+            keep the features in, under a key of `backbone_name`, the
+            backbone's weights and the data (see `kdpemb.feature_cache`).
             `None` computes every time. Defaults to `None`.
-        cache_key: str or None. The name of the data in the cache key, in
-            place of hashing it. Required with `cache` for a `tf.data.Dataset`
-            or a `PyDataset` (reading a stream twice may not give the same
-            batches, so it is not hashed); optional for arrays, to skip
-            hashing large ones. The same name must mean the same images in
-            the same order. Defaults to `None`.
+        backbone_name: str or None. Required with `cache`: a name for the
+            backbone's code and architecture, which the key does not hash
+            (it hashes the weights). Change it whenever the backbone
+            computes something else from the same weights. Defaults to
+            `None`.
+        data_name: str or None. A name for the data in the key. Required
+            with `cache` for a `tf.data.Dataset` or a `PyDataset` (reading
+            a stream twice may not give the same batches, so it is not
+            hashed): the same name must mean the same images in the same
+            order. Arrays are hashed; a name given for them is added to the
+            key. Defaults to `None`.
         verbose: "auto", 0, 1 or 2. 0 is silent, 1 a `keras.utils.Progbar`,
             2 one line at the end; "auto" is 1 when stdout is a terminal or
             a notebook and 0 otherwise (logs, CI, doctests). Defaults to
@@ -111,11 +94,11 @@ def extract(
     Raises:
         TypeError: if `backbone` is not a `keras.Model` or `data` is of no
             kind above.
-        ValueError: if `batch_size`, `verbose`, `cache` or `cache_key` is
-            invalid; the backbone is not built or does not output
-            `(batch, D)`; the data is empty, not numeric, or of an image
-            shape the backbone does not take (both shapes are named); or
-            features are NaN or infinite (their rows are counted).
+        ValueError: if `batch_size`, `verbose`, `cache`, `backbone_name` or
+            `data_name` is invalid or missing; the backbone is not built or
+            does not output `(batch, D)`; the data is empty, not numeric, or
+            of an image shape the backbone does not take (both shapes are
+            named); or features are NaN or infinite (their rows are counted).
 
     Example:
 
@@ -131,60 +114,41 @@ def extract(
     >>> labels.tolist()
     [0, 1, 2, 3, 4]
     >>> with tempfile.TemporaryDirectory() as cache:
-    ...     first = extract(backbone, images, cache=cache)
-    ...     again = extract(backbone, images, cache=cache)  # Loaded from disk.
-    ...     files = len(os.listdir(cache))
+    ...     first = extract(backbone, images, cache=cache, backbone_name="mean-v1")
+    ...     again = extract(backbone, images, cache=cache, backbone_name="mean-v1")
+    ...     files = len(os.listdir(cache))  # `again` was loaded from disk.
     >>> np.array_equal(first, again), files
     (True, 1)
     """
-    _check_batch_size(batch_size)
     verbose = _check_verbose(verbose)
-    directory = _check_cache(cache, cache_key)
+    cache = feature_cache.open_cache(cache, backbone_name, data_name)
+    source = inputs.open_input(data, ("images", "labels"), batch_size=batch_size)
     spec = _BackboneSpec(backbone)
-    source = _source(data, batch_size)
-    source.check(spec)
+    if not source.is_stream and spec.input_shape is not None:
+        spec.check_image_shape(source.shape, source.name, stream=False)
 
-    paths = None
-    expect_labels = False
-    if directory is not None:
-        if cache_key is None:
-            fingerprint = source.fingerprint()
-        else:
-            fingerprint = [("data", "cache_key"), ("cache_key", cache_key)]
-        expect_labels = source.stores_labels()
-        fingerprint.append(("stored_labels", str(expect_labels)))
-        directory.mkdir(parents=True, exist_ok=True)
-        key = _cache_key(backbone, fingerprint)
-        paths = (
-            directory / f"features-{key}.npy",
-            directory / f"features-{key}.labels.npy",
-        )
-        cached = _load_cached(*paths, source.num_examples, expect_labels)
+    if cache is not None:
+        # A stream's labels are kept with its features; arrays' are the caller's.
+        stored_labels = source.is_stream and "labels" in source.fields
+        key = cache.key(backbone, source, stored_labels)
+        cached = cache.load(key, source.num_examples, stored_labels)
         if cached is not None:
             if verbose:
-                print(f"Loaded {len(cached[0])} cached features from {paths[0]}")
-            return source.result(*cached)
+                path = cache.paths(key)[0]
+                print(f"Loaded {len(cached[0])} cached features from {path}")
+            features, labels = cached
+            if "labels" not in source.fields:
+                return features
+            return features, labels if stored_labels else source.arrays().labels
 
     features, labels, bad_images = _compute(spec, source, verbose)
     _check_finite(features, bad_images)
-    if paths is not None:
-        _save_cached(*paths, features, labels if expect_labels else None)
-    return source.result(features, labels)
+    if cache is not None:
+        cache.save(key, features, labels if stored_labels else None)
+    return features if labels is None else (features, labels)
 
 
 # Arguments.
-
-
-def _check_batch_size(batch_size):
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, numbers.Integral)
-        or batch_size < 1
-    ):
-        raise ValueError(
-            f"batch_size must be a positive int, got {batch_size!r}; e.g. "
-            "batch_size=256 (lower it if the backbone runs out of memory)."
-        )
 
 
 def _check_verbose(verbose):
@@ -200,33 +164,6 @@ def _check_verbose(verbose):
     return int(verbose)
 
 
-def _check_cache(cache, cache_key):
-    if cache_key is not None and (not isinstance(cache_key, str) or not cache_key):
-        raise ValueError(
-            f"cache_key must be a non-empty str naming the data, got {cache_key!r}; "
-            "e.g. cache_key='fashion-mnist-train-v1'."
-        )
-    if cache is None:
-        if cache_key is not None:
-            raise ValueError(
-                "cache_key names the data in the cache, but cache is None; pass "
-                "cache='some/directory' too, or drop cache_key."
-            )
-        return None
-    try:
-        directory = pathlib.Path(cache).expanduser()
-    except TypeError as error:
-        raise ValueError(
-            f"cache must be a directory path (str or path-like) or None, got {cache!r}."
-        ) from error
-    if directory.exists() and not directory.is_dir():
-        raise NotADirectoryError(
-            f"cache={str(directory)!r} is a file; pass a directory to keep the "
-            "features in (it is created if missing)."
-        )
-    return directory
-
-
 # The backbone.
 
 
@@ -237,10 +174,6 @@ def _optional_attribute(model, name):
     except (AttributeError, ValueError):
         return None
     return None if value is None else list(value)
-
-
-def _shape_text(shape):
-    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
 
 
 class _BackboneSpec:
@@ -283,22 +216,11 @@ class _BackboneSpec:
         if len(shape) != 2:
             raise ValueError(
                 f"The backbone must map images to features of shape (batch, D), "
-                f"but its output has shape {_shape_text(shape)}. {_POOLING_FIX}"
+                f"but its output has shape {inputs.shape_text(shape)}. {_POOLING_FIX}"
             )
 
     def prepare(self, images, where, stream):
-        """`images` as a NumPy batch the backbone takes, or a clear error."""
-        images = np.asarray(images)
-        if images.dtype == bool or images.dtype.kind not in "uif":
-            raise ValueError(
-                f"Images must be numbers, but {where} has dtype {images.dtype}; "
-                "pass pixel values, e.g. uint8 or float32."
-            )
-        if images.ndim < 2:
-            raise ValueError(
-                f"{where} must be a batch of images (N, ...), but has shape "
-                f"{_shape_text(images.shape)}."
-            )
+        """`images` (numeric, from `kdpemb.data.inputs`) cast for the backbone."""
         if self.input_shape is not None:
             self.check_image_shape(images.shape, where, stream)
         if self.input_dtype is not None:
@@ -332,9 +254,9 @@ class _BackboneSpec:
         elif len(got) == len(expected) - 1 and expected[-1] == 1:
             fix = "Add the channel axis: images[..., None]."
         raise ValueError(
-            f"The backbone takes images of shape {_shape_text(expected)} (its "
-            f"input is {_shape_text(self.input_shape)}), but {where} has images "
-            f"of shape {_shape_text(got)}. {fix}"
+            f"The backbone takes images of shape {inputs.shape_text(expected)} (its "
+            f"input is {inputs.shape_text(self.input_shape)}), but {where} has images "
+            f"of shape {inputs.shape_text(got)}. {fix}"
         )
 
     def run(self, images, where, first):
@@ -345,7 +267,7 @@ class _BackboneSpec:
                 raise
             raise ValueError(
                 f"The backbone failed on the first batch, images of shape "
-                f"{_shape_text(images.shape[1:])} and dtype {images.dtype} from "
+                f"{inputs.shape_text(images.shape[1:])} and dtype {images.dtype} from "
                 f"{where}; check that it takes such images. "
                 f"({type(error).__name__}: {error})"
             ) from error
@@ -365,234 +287,6 @@ class _BackboneSpec:
                 "one row."
             )
         return output.astype(np.float32, copy=False)
-
-
-# The data.
-
-
-def _is_tf_dataset(data):
-    tf = sys.modules.get("tensorflow")  # A tf.data.Dataset means TF is loaded.
-    return tf is not None and isinstance(data, tf.data.Dataset)
-
-
-def _is_array_like(data):
-    return all(hasattr(data, a) for a in ("shape", "dtype", "__len__", "__getitem__"))
-
-
-def _source(data, batch_size):
-    if _is_tf_dataset(data):
-        return _TFDataSource(data)
-    if isinstance(data, keras.utils.PyDataset):
-        return _PyDataSource(data)
-    if isinstance(data, np.ndarray):
-        return _ArraySource(data, batch_size)
-    if hasattr(data, "images"):
-        return _ArraySource(data.images, batch_size, name="data.images")
-    if isinstance(data, tuple):
-        if len(data) != 2:
-            raise TypeError(
-                f"A tuple data must be (images, labels), got a tuple of "
-                f"{len(data)} items."
-            )
-        return _ArraySource(data[0], batch_size, labels=data[1], name="images")
-    if isinstance(data, list):
-        return _ArraySource(np.asarray(data), batch_size)
-    if _is_array_like(data):
-        return _ArraySource(data, batch_size)
-    raise TypeError(
-        f"data must be a NumPy array of images, an object with .images (e.g. "
-        "kdpemb.datasets.synthetic_identities(...)), a tuple (images, labels), "
-        f"a tf.data.Dataset or a keras.utils.PyDataset; got "
-        f"{type(data).__name__}. Wrap a generator in a PyDataset or "
-        "tf.data.Dataset.from_generator."
-    )
-
-
-class _ArraySource:
-    """Images in memory (or a lazy array), cut into batches of `batch_size`."""
-
-    def __init__(self, images, batch_size, labels=None, name="data"):
-        if not isinstance(images, np.ndarray) and not _is_array_like(images):
-            images = np.asarray(images)
-        self.images = images
-        self.name = name
-        self.batch_size = batch_size
-        self.shape = tuple(int(d) for d in images.shape)
-        if len(self.shape) < 2:
-            raise ValueError(
-                f"{name} must be images (N, height, width, channels) or at least "
-                f"(N, ...), got shape {_shape_text(self.shape)}."
-            )
-        self.num_examples = self.shape[0]
-        if self.num_examples == 0:
-            raise ValueError(
-                f"{name} holds no images (shape {_shape_text(self.shape)}); there "
-                "is nothing to extract features from."
-            )
-        # The dtype of a lazy array-like is that of what indexing it gives.
-        first = images[:1] if isinstance(images, np.ndarray) else self._take(0, 1)
-        self.dtype = first.dtype
-        if self.dtype == bool or self.dtype.kind not in "uif":
-            raise ValueError(
-                f"Images must be numbers, but {name} has dtype {self.dtype}; pass "
-                "pixel values, e.g. uint8 or float32."
-            )
-        self.labels = None
-        if labels is not None:
-            self.labels = np.asarray(labels)
-            if self.labels.shape[:1] != (self.num_examples,):
-                raise ValueError(
-                    f"labels must hold one label per image ({self.num_examples}), "
-                    f"got shape {self.labels.shape}."
-                )
-
-    @property
-    def num_batches(self):
-        return math.ceil(self.num_examples / self.batch_size)
-
-    def capacity(self, first_rows):
-        return self.num_examples
-
-    def check(self, spec):
-        if spec.input_shape is not None:
-            spec.check_image_shape(self.shape, self.name, stream=False)
-
-    def stores_labels(self):
-        return False  # Labels of arrays come from the caller, not the cache.
-
-    def _take(self, start, stop):
-        return np.asarray(self.images[start:stop])
-
-    def batches(self):
-        for start in range(0, self.num_examples, self.batch_size):
-            stop = min(start + self.batch_size, self.num_examples)
-            yield self._take(start, stop), None, f"{self.name}[{start}:{stop}]"
-
-    def fingerprint(self):
-        digest = hashlib.sha256()
-        row_bytes = max(1, math.prod(self.shape[1:]) * self.dtype.itemsize)
-        rows = max(1, _HASH_CHUNK_BYTES // row_bytes)
-        for start in range(0, self.num_examples, rows):
-            chunk = self._take(start, start + rows).astype(self.dtype, copy=False)
-            chunk = np.ascontiguousarray(chunk)
-            digest.update(chunk.reshape(-1).view(np.uint8))
-        return [
-            ("data", "array"),
-            ("shape", repr(self.shape)),
-            ("dtype", self.dtype.str),
-            ("sha256", digest.hexdigest()),
-        ]
-
-    def result(self, features, labels):
-        return features if self.labels is None else (features, self.labels)
-
-
-def _split_batch(batch, where):
-    if isinstance(batch, dict):
-        raise ValueError(
-            f"{where} is a dict; extract takes batches of images or (images, "
-            "labels) tuples. Map it, e.g. dataset.map(lambda d: (d['image'], "
-            "d['label']))."
-        )
-    if isinstance(batch, list | tuple):
-        if len(batch) == 1:
-            return batch[0], None
-        if len(batch) == 2:
-            return batch[0], batch[1]
-        raise ValueError(
-            f"{where} is a tuple of {len(batch)} items; extract takes batches of "
-            "images or (images, labels). Drop the others (e.g. sample weights)."
-        )
-    return batch, None
-
-
-class _StreamSource:
-    """Batches from a tf.data.Dataset or a PyDataset, read once in order."""
-
-    num_examples = None
-
-    def check(self, spec):
-        pass  # Each batch is checked as it comes.
-
-    def capacity(self, first_rows):
-        return None if self.num_batches is None else self.num_batches * first_rows
-
-    def fingerprint(self):
-        raise ValueError(
-            f"cache needs cache_key= for a {self.kind}: reading a stream to hash "
-            "it may not give the same batches twice (shuffling, augmentation). "
-            "Name the data, e.g. cache_key='train-v1' (the same name must mean "
-            "the same images in the same order), or pass the images as a NumPy "
-            "array, which is hashed."
-        )
-
-    def batches(self):
-        has_labels = None
-        for step, batch in enumerate(self._raw_batches()):
-            where = f"batch {step} of the {self.kind}"
-            images, labels = _split_batch(batch, where)
-            if has_labels is None:
-                has_labels = labels is not None
-            elif has_labels != (labels is not None):
-                raise ValueError(
-                    f"{where} {'has' if labels is not None else 'lacks'} labels but "
-                    "the first batch does not; yield images or (images, labels) "
-                    "in every batch."
-                )
-            yield images, labels, where
-
-    def stores_labels(self):
-        where = f"the first batch of the {self.kind}"
-        return _split_batch(self._first_batch(), where)[1] is not None
-
-    def result(self, features, labels):
-        return features if labels is None else (features, labels)
-
-
-class _TFDataSource(_StreamSource):
-    kind = "tf.data.Dataset"
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        cardinality = int(dataset.cardinality())
-        if cardinality == -1:  # tf.data.INFINITE_CARDINALITY
-            raise ValueError(
-                "The tf.data.Dataset repeats forever; extract reads it once. "
-                "Remove .repeat() or end it with .take(num_batches)."
-            )
-        self.num_batches = cardinality if cardinality >= 0 else None
-
-    def _raw_batches(self):
-        return self.dataset.as_numpy_iterator()
-
-    def _first_batch(self):
-        import tensorflow as tf
-
-        # The structure of the elements, without reading any.
-        return tf.nest.map_structure(lambda _: np.empty(0), self.dataset.element_spec)
-
-
-class _PyDataSource(_StreamSource):
-    kind = "PyDataset"
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        num_batches = dataset.num_batches
-        if num_batches is None:
-            raise ValueError(
-                "The PyDataset is infinite (num_batches is None); extract reads "
-                "it once. Give it a finite num_batches (or __len__)."
-            )
-        self.num_batches = int(num_batches)
-
-    def _raw_batches(self):
-        for index in range(self.num_batches):
-            yield self.dataset[index]
-
-    def _first_batch(self):
-        if self.num_batches == 0:
-            return np.empty(0)
-        return self.dataset[0]
 
 
 # Computing.
@@ -631,48 +325,39 @@ class _Rows:
     def array(self):
         if self.buffer is not None:
             return self.buffer[: self.count]
-        return np.concatenate(self.chunks) if self.chunks else None
+        return np.concatenate(self.chunks)
 
 
 def _compute(spec, source, verbose):
     progbar = (
         keras.utils.Progbar(source.num_batches, verbose=verbose) if verbose else None
     )
-    stream = isinstance(source, _StreamSource)
-    rows = _Rows(source.capacity)
+
+    def capacity(first_rows):  # Total rows, or None where unknown.
+        if not source.is_stream or source.num_batches is None:
+            return source.num_examples
+        return source.num_batches * first_rows
+
+    rows = _Rows(capacity)
     labels = []
     bad_images = 0
     step = 0
-    for images, batch_labels, where in source.batches():
-        images = spec.prepare(images, where, stream)
-        if batch_labels is not None:
-            batch_labels = np.asarray(batch_labels)
-            if batch_labels.shape[:1] != images.shape[:1]:
-                raise ValueError(
-                    f"{where} has {images.shape[0]} images but labels of shape "
-                    f"{batch_labels.shape}; give one label per image."
-                )
-            labels.append(batch_labels)
+    for batch in source.batches():
+        images = spec.prepare(batch.images, batch.where, source.is_stream)
+        if batch.labels is not None:
+            labels.append(batch.labels)
         if len(images):
             if images.dtype.kind == "f":
                 finite = np.isfinite(images.reshape(len(images), -1)).all(axis=1)
                 bad_images += int(np.count_nonzero(~finite))
-            rows.append(spec.run(images, where, first=rows.count == 0), where)
+            first = rows.count == 0
+            rows.append(spec.run(images, batch.where, first), batch.where)
         step += 1
         if progbar is not None:
             progbar.update(step)
     if progbar is not None and source.num_batches is None:
         progbar.update(step, finalize=True)
-    features = rows.array()
-    if features is None:
-        what = f"the {source.kind}" if stream else "data"
-        raise ValueError(
-            f"{what} yielded no images ({step} batches); there is nothing to "
-            "extract features from."
-        )
-    if stream and labels:
-        return features, np.concatenate(labels), bad_images
-    return features, None, bad_images
+    return rows.array(), np.concatenate(labels) if labels else None, bad_images
 
 
 def _check_finite(features, bad_images):
@@ -691,145 +376,3 @@ def _check_finite(features, bad_images):
         f"(the first is row {bad[0]}); {cause}. A DP fit on them would be "
         "meaningless, so nothing was returned or cached."
     )
-
-
-# The cache.
-
-
-def _is_library_class(cls):
-    return cls.__module__.split(".")[0] in _LIBRARY_MODULES
-
-
-def _const_text(value):
-    if isinstance(value, types.CodeType):
-        return _code_text(value)
-    if isinstance(value, frozenset):  # Set order varies with the hash seed.
-        return "frozenset(" + repr(sorted(_const_text(v) for v in value)) + ")"
-    if isinstance(value, tuple):
-        return "(" + ",".join(_const_text(v) for v in value) + ")"
-    return repr(value)
-
-
-def _code_text(code):
-    """What a code object does, without its line numbers or file name."""
-    return repr(
-        (
-            code.co_code.hex(),
-            code.co_names,
-            code.co_varnames,
-            code.co_freevars,
-            [_const_text(c) for c in code.co_consts],
-        )
-    )
-
-
-def _class_text(cls):
-    parts = [f"{cls.__module__}.{cls.__qualname__}"]
-    for name, member in sorted(vars(cls).items()):
-        if isinstance(member, staticmethod | classmethod):
-            member = member.__func__
-        functions = (
-            [member.fget, member.fset, member.fdel]
-            if isinstance(member, property)
-            else [member]
-        )
-        for function in functions:
-            if isinstance(function, types.FunctionType):
-                parts.append(f"{name}: {_code_text(function.__code__)}")
-    return "\n".join(parts)
-
-
-def _architecture(backbone):
-    """The backbone's configs and custom code, as text."""
-    try:
-        parts = [backbone.to_json()]
-    except Exception as error:  # The layer configs below still describe it.
-        parts = [f"to_json failed: {type(error).__name__}"]
-    classes = []
-    for layer in backbone._flatten_layers(include_self=True, recursive=True):
-        try:
-            config = json.dumps(layer.get_config(), sort_keys=True, default=str)
-        except Exception as error:
-            config = f"get_config failed: {type(error).__name__}"
-        cls = type(layer)
-        parts.append(f"{cls.__module__}.{cls.__qualname__} {config}")
-        classes += [c for c in cls.__mro__ if c not in classes]
-    parts += [_class_text(c) for c in classes if not _is_library_class(c)]
-    return "\n".join(parts)
-
-
-def _cache_key(backbone, data_fingerprint):
-    digest = hashlib.sha256()
-
-    def field(tag, payload):
-        if isinstance(payload, str):
-            payload = payload.encode()
-        digest.update(tag.encode() + b"\0")
-        digest.update(len(payload).to_bytes(8, "little"))
-        digest.update(payload)
-
-    field("format", _KEY_FORMAT)
-    field("architecture", _architecture(backbone))
-    for weight in backbone.weights:
-        value = np.ascontiguousarray(keras.ops.convert_to_numpy(weight))
-        field("weight", f"{value.shape} {value.dtype.str}")
-        field("bytes", value.reshape(-1).view(np.uint8))
-    for tag, value in data_fingerprint:
-        field(tag, value)
-    return digest.hexdigest()
-
-
-def _load_cached(features_path, labels_path, num_examples, expect_labels):
-    """The cached `(features, labels)`, or None to compute them."""
-    if not features_path.exists() or (expect_labels and not labels_path.exists()):
-        return None
-    try:
-        features = np.load(features_path, allow_pickle=False)
-        labels = np.load(labels_path, allow_pickle=False) if expect_labels else None
-        if features.dtype != np.float32 or features.ndim != 2:
-            raise ValueError(f"holds {features.dtype} {features.shape}")
-        if num_examples is not None and len(features) != num_examples:
-            raise ValueError(f"holds {len(features)} rows, not {num_examples}")
-        if labels is not None and len(labels) != len(features):
-            raise ValueError("its labels do not match its rows")
-        if not np.isfinite(features).all():
-            raise ValueError("holds non-finite values")
-    except (OSError, ValueError, EOFError) as error:
-        warnings.warn(
-            f"The cached features {features_path} are unusable ({error}); "
-            "computing them again.",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None
-    return features, labels
-
-
-def _save_atomically(path, array):
-    """Writes `array` to `path` via a temporary file, so `path` is whole or absent."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            np.save(file, array, allow_pickle=False)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
-def _save_cached(features_path, labels_path, features, labels):
-    # Labels first: the features file marks a complete entry.
-    try:
-        if labels is not None:
-            _save_atomically(labels_path, labels)
-        _save_atomically(features_path, features)
-    except (OSError, ValueError) as error:
-        warnings.warn(
-            f"Could not cache the features in {features_path.parent} "
-            f"({type(error).__name__}: {error}); they are returned but not cached.",
-            UserWarning,
-            stacklevel=3,
-        )

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kdpemb import features as features_module
+from kdpemb import feature_cache
 from kdpemb.datasets import UserImages, synthetic_identities
 from kdpemb.features import extract
 
 N = 10  # Not a multiple of the batch size 4.
 SHAPE = (6, 6, 1)
+NAME = "tiny-v1"  # The backbone's name in the cache key.
 
 
 class Tripwire(keras.layers.Layer):
@@ -185,12 +186,16 @@ def test_pydataset(with_labels):
 
 def test_a_cache_hit_does_not_call_the_backbone(tmp_path):
     backbone, x = make_backbone(), images()
-    first = extract(backbone, x, batch_size=4, cache=tmp_path, verbose=0)
+    first = extract(
+        backbone, x, batch_size=4, cache=tmp_path, backbone_name=NAME, verbose=0
+    )
     assert len(cache_files(tmp_path)) == 1
     armed = copy_of(backbone, armed=True)
     with pytest.raises(RuntimeError, match="the backbone was called"):
         extract(armed, x, verbose=0)  # The tripwire works without a cache...
-    again = extract(armed, x, cache=str(tmp_path), verbose=0)  # ...and a hit skips it.
+    again = extract(
+        armed, x, cache=str(tmp_path), backbone_name=NAME, verbose=0
+    )  # ...and a hit skips it.
     np.testing.assert_array_equal(again, first)
     assert again.dtype == np.float32
     assert len(cache_files(tmp_path)) == 1
@@ -198,14 +203,20 @@ def test_a_cache_hit_does_not_call_the_backbone(tmp_path):
 
 def test_changing_one_weight_misses_the_cache(tmp_path):
     backbone, x = make_backbone(), images()
-    first = extract(backbone, x, cache=tmp_path, verbose=0)
+    first = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     weights = backbone.get_weights()
     weights[-2][0, 0] += 1.0  # One entry of the dense kernel.
     changed = copy_of(backbone)
     changed.set_weights(weights)
     with pytest.raises(RuntimeError, match="the backbone was called"):
-        extract(copy_of(changed, armed=True), x, cache=tmp_path, verbose=0)
-    features = extract(changed, x, cache=tmp_path, verbose=0)
+        extract(
+            copy_of(changed, armed=True),
+            x,
+            cache=tmp_path,
+            backbone_name=NAME,
+            verbose=0,
+        )
+    features = extract(changed, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     assert_equal_features(features, reference(changed, x, 256))
     assert not np.allclose(features, first)
     assert len(cache_files(tmp_path)) == 2
@@ -213,67 +224,105 @@ def test_changing_one_weight_misses_the_cache(tmp_path):
 
 def test_changing_one_pixel_misses_the_cache(tmp_path):
     backbone, x = make_backbone(), images()
-    first = extract(backbone, x, cache=tmp_path, verbose=0)
+    first = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     x2 = x.copy()
     x2[3, 2, 2, 0] ^= 0xFF
-    features = extract(backbone, x2, cache=tmp_path, verbose=0)
+    features = extract(backbone, x2, cache=tmp_path, backbone_name=NAME, verbose=0)
     assert_equal_features(features, reference(backbone, x2, 256))
     assert not np.allclose(features[3], first[3])
     np.testing.assert_allclose(np.delete(features, 3, 0), np.delete(first, 3, 0))
     assert len(cache_files(tmp_path)) == 2
 
 
-def test_the_cache_key_covers_the_code_of_a_subclassed_model(tmp_path, monkeypatch):
-    class Net(keras.Model):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(2, name="dense")
-
-        def call(self, x):
-            return self.dense(keras.ops.reshape(x, (keras.ops.shape(x)[0], -1)))
-
-    def build(weights=None):
-        net = Net(name="net")
-        net(np.zeros((1, *SHAPE), "float32"))
-        if weights is not None:
-            net.set_weights(weights)
-        return net
-
-    x = images()
-    net = build()
-    first = extract(net, x, cache=tmp_path, verbose=0)
-    # Same code, names and weights: a hit.
-    extract(build(net.get_weights()), x, cache=tmp_path, verbose=0)
-    assert len(cache_files(tmp_path)) == 1
-
-    # Same config and weights but another call(): a miss.
-    def doubled_call(self, x):
-        return 2.0 * self.dense(keras.ops.reshape(x, (keras.ops.shape(x)[0], -1)))
-
-    monkeypatch.setattr(Net, "call", doubled_call)
-    doubled = extract(build(net.get_weights()), x, cache=tmp_path, verbose=0)
-    np.testing.assert_allclose(doubled, 2.0 * first, rtol=1e-5, atol=1e-5)
+def test_another_backbone_name_misses_the_cache(tmp_path):
+    backbone, x = make_backbone(), images()
+    first = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    armed = copy_of(backbone, armed=True)
+    with pytest.raises(RuntimeError, match="the backbone was called"):
+        extract(armed, x, cache=tmp_path, backbone_name="tiny-v2", verbose=0)
+    again = extract(backbone, x, cache=tmp_path, backbone_name="tiny-v2", verbose=0)
+    np.testing.assert_array_equal(again, first)
     assert len(cache_files(tmp_path)) == 2
 
 
-def test_a_stream_needs_a_cache_key_and_its_labels_are_cached(tmp_path):
+def test_the_backbone_name_stands_for_code_the_key_does_not_hash(tmp_path):
+    # Same weights, other code: the name is what tells them apart.
+    backbone, x = make_backbone(), images()
+    doubled = keras.Sequential([backbone, keras.layers.Rescaling(2.0)])
+    first = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    same_name = extract(doubled, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    np.testing.assert_array_equal(same_name, first)  # The user's name was wrong.
+    renamed = extract(doubled, x, cache=tmp_path, backbone_name="doubled", verbose=0)
+    np.testing.assert_allclose(renamed, 2.0 * first, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_without_a_backbone_name_is_refused_before_any_work(tmp_path):
+    armed = make_backbone(armed=True)
+    with pytest.raises(
+        ValueError, match=r"cache needs backbone_name=.*backbone_name='resnet50"
+    ):
+        extract(armed, images(), cache=tmp_path, verbose=0)
+    for name in ("", 3):
+        with pytest.raises(ValueError, match="backbone_name must be a non-empty"):
+            extract(armed, images(), cache=tmp_path, backbone_name=name)
+    with pytest.raises(ValueError, match="data_name must be a non-empty"):
+        extract(armed, images(), cache=tmp_path, backbone_name=NAME, data_name="")
+    assert cache_files(tmp_path) == []
+
+
+def test_a_data_name_for_arrays_is_added_to_their_hash(tmp_path):
+    backbone, x = make_backbone(), images()
+    first = extract(
+        backbone, x, cache=tmp_path, backbone_name=NAME, data_name="a", verbose=0
+    )
+    again = extract(copy_of(backbone, armed=True), x, cache=tmp_path,
+                    backbone_name=NAME, data_name="a", verbose=0)  # fmt: skip
+    np.testing.assert_array_equal(again, first)  # A hit.
+    x2 = x.copy()
+    x2[0, 0, 0, 0] ^= 0xFF  # Other pixels under the same data name: a miss.
+    with pytest.raises(RuntimeError, match="the backbone was called"):
+        extract(copy_of(backbone, armed=True), x2, cache=tmp_path,
+                backbone_name=NAME, data_name="a", verbose=0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="the backbone was called"):
+        extract(copy_of(backbone, armed=True), x, cache=tmp_path,
+                backbone_name=NAME, data_name="b", verbose=0)  # fmt: skip
+
+
+def test_a_stream_needs_a_data_name_and_its_labels_are_cached(tmp_path):
     backbone, x, y = make_backbone(), images(), np.arange(N) * 7
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-    with pytest.raises(ValueError, match="cache_key="):
-        extract(backbone, dataset, cache=tmp_path, verbose=0)
+    with pytest.raises(ValueError, match="cache needs data_name="):
+        extract(backbone, dataset, cache=tmp_path, backbone_name=NAME, verbose=0)
     first, labels = extract(
-        backbone, dataset, cache=tmp_path, cache_key="toy-v1", verbose=0
+        backbone,
+        dataset,
+        cache=tmp_path,
+        backbone_name=NAME,
+        data_name="toy-v1",
+        verbose=0,
     )
     np.testing.assert_array_equal(labels, y)
     assert len(cache_files(tmp_path)) == 2  # Features and labels.
     armed = copy_of(backbone, armed=True)
     again, labels_again = extract(
-        armed, Batches(x, y), cache=tmp_path, cache_key="toy-v1", verbose=0
+        armed,
+        Batches(x, y),
+        cache=tmp_path,
+        backbone_name=NAME,
+        data_name="toy-v1",
+        verbose=0,
     )
     np.testing.assert_array_equal(again, first)
     np.testing.assert_array_equal(labels_again, y)
     with pytest.raises(RuntimeError, match="the backbone was called"):
-        extract(armed, dataset, cache=tmp_path, cache_key="toy-v2", verbose=0)
+        extract(
+            armed,
+            dataset,
+            cache=tmp_path,
+            backbone_name=NAME,
+            data_name="toy-v2",
+            verbose=0,
+        )
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
@@ -287,27 +336,29 @@ def test_an_interrupted_write_leaves_no_cache_file(tmp_path, monkeypatch, error)
             raise error("interrupted")
         replace(source, target)
 
-    monkeypatch.setattr(features_module.os, "replace", fail)
+    monkeypatch.setattr(feature_cache.os, "replace", fail)
     if error is KeyboardInterrupt:
         with pytest.raises(KeyboardInterrupt):
-            extract(backbone, x, cache=tmp_path, verbose=0)
+            extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     else:  # A failed write is reported, and the features are still returned.
         with pytest.warns(UserWarning, match="not cached"):
-            features = extract(backbone, x, cache=tmp_path, verbose=0)
+            features = extract(
+                backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0
+            )
         assert_equal_features(features, reference(backbone, x, 256))
     assert cache_files(tmp_path) == []
     monkeypatch.undo()
-    extract(backbone, x, cache=tmp_path, verbose=0)
+    extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     assert len(cache_files(tmp_path)) == 1
 
 
 def test_a_truncated_cache_file_is_recomputed(tmp_path):
     backbone, x = make_backbone(), images()
-    first = extract(backbone, x, cache=tmp_path, verbose=0)
+    first = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     (path,) = tmp_path.iterdir()
     path.write_bytes(path.read_bytes()[:-8])  # Cut into the data.
     with pytest.warns(UserWarning, match="unusable"):
-        again = extract(backbone, x, cache=tmp_path, verbose=0)
+        again = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
     np.testing.assert_array_equal(again, first)
     np.testing.assert_array_equal(np.load(path), first)
 
@@ -320,7 +371,9 @@ def test_nan_pixels_give_nan_rows_that_raise_and_are_not_cached(tmp_path):
     x = images().astype("float32")
     x[[2, 7], 0, 0, 0] = np.nan
     with pytest.raises(ValueError, match=r"2 of 10 feature rows .* row 2\).* 2 image"):
-        extract(backbone, x, batch_size=4, cache=tmp_path, verbose=0)
+        extract(
+            backbone, x, batch_size=4, cache=tmp_path, backbone_name=NAME, verbose=0
+        )
     assert cache_files(tmp_path) == []
 
 
@@ -399,22 +452,30 @@ def test_other_bad_arguments_raise_clearly(tmp_path):
         extract(backbone, (batch for batch in [x]))
     with pytest.raises(ValueError, match="must be numbers"):
         extract(backbone, np.full((2, *SHAPE), "a"))
-    with pytest.raises(ValueError, match="cache is None"):
-        extract(backbone, x, cache_key="k")
+    for names in (dict(data_name="k"), dict(backbone_name="k")):
+        with pytest.raises(ValueError, match="cache is None"):
+            extract(backbone, x, **names)
     with pytest.raises(ValueError, match="verbose must be one of"):
         extract(backbone, x, verbose="loud")
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match="is a file"):
-        extract(backbone, x, cache=tmp_path / "file")
+        extract(backbone, x, cache=tmp_path / "file", backbone_name=NAME)
 
 
 def test_verbose_0_and_auto_print_nothing_and_1_shows_a_progress_bar(tmp_path, capsys):
     backbone, x = make_backbone(), images()
     for verbose in (0, "auto"):  # stdout is not a terminal under pytest.
         extract(backbone, x, batch_size=4, verbose=verbose)
-        extract(backbone, x, batch_size=4, cache=tmp_path, verbose=verbose)
+        extract(
+            backbone,
+            x,
+            batch_size=4,
+            cache=tmp_path,
+            backbone_name=NAME,
+            verbose=verbose,
+        )
         assert capsys.readouterr().out == ""
     extract(backbone, x, batch_size=5, verbose=1)
     assert "2/2" in capsys.readouterr().out
-    extract(backbone, x, batch_size=4, cache=tmp_path, verbose=1)
+    extract(backbone, x, batch_size=4, cache=tmp_path, backbone_name=NAME, verbose=1)
     assert "cached" in capsys.readouterr().out

@@ -1,9 +1,9 @@
 """`RecallAtFAR` callback: verification quality on held-out identities."""
 
 import keras
-import numpy as np
 
-from kdpemb.datasets.user_images import UserImages
+from kdpemb.data import inputs
+from kdpemb.features import extract
 from kdpemb.metrics import verification
 from kdpemb.metrics.recall_at_far_metric import far_key
 
@@ -13,7 +13,8 @@ class RecallAtFAR(keras.callbacks.Callback):
 
     At the end of every `every_n_epochs`-th epoch it embeds `data` with the
     backbone (`model.backbone` when the model has one, such as a kdpemb
-    federated model, else the model itself), computes the ROC over all
+    federated model, else the model itself) in inference mode, as
+    `kdpemb.features.extract` does, computes the ROC over all
     pairs once, and writes one key per FAR, e.g. `recall@far=1e-03`, into
     the logs, where `History`, `CSVLogger`, `TensorBoard` and
     `EarlyStopping(monitor="recall@far=1e-03", mode="max")` see it (place
@@ -27,12 +28,14 @@ class RecallAtFAR(keras.callbacks.Callback):
         data: a tuple `(images, labels)`, a `UserImages`, or a
             `tf.data.Dataset` / `keras.utils.PyDataset` yielding batches
             `(images, labels, ...)` (anything after the labels is ignored).
+            Its structure is checked here, before training.
         far: float or sequence of floats. FARs to report. Defaults to
             `(1e-3, 1e-2)`.
         every_n_epochs: int. Defaults to `1`.
         backbone: `keras.Model` or None. The embedding model. Defaults to
             `model.backbone`, or the model.
-        batch_size: int. Batch size of `predict`. Defaults to `256`.
+        batch_size: int. Images per backbone call for array data (a
+            dataset keeps its own batches). Defaults to `256`.
         pairs: str. `"all"` or `"in_batch"`. Defaults to `"all"`.
         in_batch_size: int. Batch size of `pairs="in_batch"`. Defaults to
             `256`.
@@ -75,6 +78,15 @@ class RecallAtFAR(keras.callbacks.Callback):
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
             )
         self.data = data
+        self._input = inputs.open_input(
+            data,
+            ("images", "labels"),
+            required=2,
+            ignore_extra=True,
+            batch_size=batch_size,
+        )
+        # Reads a dataset's structure now, to refuse a bad one before training.
+        self.fields = self._input.fields
         self.every_n_epochs = every_n_epochs
         self.backbone = backbone
         self.batch_size = batch_size
@@ -92,32 +104,9 @@ class RecallAtFAR(keras.callbacks.Callback):
         backbone = getattr(self.model, "backbone", None)
         return self.model if backbone is None else backbone
 
-    def _embed(self):
-        model = self._embedding_model()
-        data = self.data
-        if isinstance(data, UserImages):
-            data = (data.images, data.labels)
-        if isinstance(data, tuple) and len(data) == 2:
-            images, labels = data
-            embeddings = model.predict(
-                np.asarray(images), batch_size=self.batch_size, verbose=0
-            )
-            return embeddings, np.asarray(labels)
-        embeddings, labels = [], []
-        batches = (
-            data.as_numpy_iterator()
-            if hasattr(data, "as_numpy_iterator")
-            else (data[i] for i in range(len(data)))
-        )
-        for batch in batches:
-            images, batch_labels = batch[0], batch[1]
-            embeddings.append(np.asarray(model(images, training=False)))
-            labels.append(np.asarray(batch_labels))
-        return np.concatenate(embeddings), np.concatenate(labels)
-
     def evaluate(self):
         """Embeds the data now and returns `{key: value}`."""
-        embeddings, labels = self._embed()
+        embeddings, labels = extract(self._embedding_model(), self._input, verbose=0)
         self.last_roc, values = verification.roc_and_recall(
             embeddings, labels, list(self.fars), self.pairs, self.in_batch_size
         )

@@ -3,14 +3,16 @@
 Accepted: a `UserImages`; arrays (or a lazy array-like such as
 `SyntheticImages`) with labels and user ids; a `tf.data.Dataset` or a
 `keras.utils.PyDataset` yielding `(images, labels, user_ids)` (batched or
-not). Datasets are read once into memory, because rounds need random
-access to every user's examples.
+not, or dicts with those keys). `kdpemb.data.inputs` reads them; datasets
+are read once into memory, because rounds need random access to every
+user's examples.
 """
 
 import numbers
 
 import numpy as np
 
+from kdpemb.data import inputs
 from kdpemb.datasets.labels import check_labels
 from kdpemb.datasets.user_images import UserImages
 
@@ -22,6 +24,14 @@ def read_source(images, labels=None, user_ids=None, *, num_classes=None):
 
     `images` keeps its type when it is a NumPy array or a lazy array-like,
     so a large synthetic dataset is never materialised here.
+
+    Example:
+
+    >>> import numpy as np
+    >>> images, labels, user_ids, num_classes = read_source(
+    ...     np.zeros((4, 2, 2, 1), np.uint8), [0, 1, 1, 0], [7, 7, 8, 8])
+    >>> images.shape, labels.tolist(), user_ids.tolist(), num_classes
+    ((4, 2, 2, 1), [0, 1, 1, 0], [7, 7, 8, 8], 2)
     """
     if isinstance(images, UserImages):
         if labels is not None or user_ids is not None:
@@ -29,92 +39,32 @@ def read_source(images, labels=None, user_ids=None, *, num_classes=None):
                 "Pass either a UserImages or (images, labels, user_ids), "
                 "not both: a UserImages already carries labels and user ids."
             )
-        images, labels, user_ids = images
-    elif _is_tf_dataset(images) or _is_py_dataset(images):
+        data = images
+    elif inputs.is_dataset(images):
         if labels is not None or user_ids is not None:
             raise ValueError(
                 "A dataset must yield (images, labels, user_ids) itself; do "
                 "not also pass labels or user_ids."
             )
-        images, labels, user_ids = _read_dataset(images)
+        data = images
     elif labels is None or user_ids is None:
         raise ValueError(
             "VirtualClients needs an identity label and a user id per image: "
             "pass VirtualClients(images, labels, user_ids, ...) or a "
             "kdpemb.datasets.UserImages."
         )
+    else:
+        data = (images, labels, user_ids)
+    source = inputs.open_input(data, inputs.FIELDS, required=3, single_examples=True)
+    images, labels, user_ids, _ = source.arrays()
     images = _check_images(images)
     labels, num_classes = _check_labels(labels, len(images), num_classes)
     user_ids = _check_user_ids(user_ids, len(images))
     return images, labels, user_ids, num_classes
 
 
-def _is_tf_dataset(value):
-    return type(value).__module__.startswith("tensorflow") and hasattr(
-        value, "as_numpy_iterator"
-    )
-
-
-def _is_py_dataset(value):
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - keras is a dependency
-        return False
-    return isinstance(value, keras.utils.PyDataset)
-
-
-def _read_dataset(dataset):
-    if _is_tf_dataset(dataset):
-        elements = dataset.as_numpy_iterator()
-    else:
-        elements = (dataset[i] for i in range(len(dataset)))
-    parts = ([], [], [])
-    first_shape = None
-    for position, element in enumerate(elements):
-        if isinstance(element, dict):
-            try:
-                element = tuple(element[k] for k in ("images", "labels", "user_ids"))
-            except KeyError as missing:
-                raise ValueError(
-                    f"Dataset element {position} is a dict without key "
-                    f"{missing}; use keys 'images', 'labels', 'user_ids'."
-                ) from None
-        if not isinstance(element, tuple | list) or len(element) != 3:
-            raise ValueError(
-                f"Dataset element {position} must be (images, labels, "
-                f"user_ids), got {type(element).__name__} of length "
-                f"{len(element) if hasattr(element, '__len__') else '?'}."
-            )
-        image, label, user = (np.asarray(part) for part in element)
-        if label.ndim == 0:  # One example per element.
-            image, label, user = image[None], label[None], user[None]
-        if first_shape is None:
-            first_shape = image.shape[1:]
-        elif image.shape[1:] != first_shape:
-            raise ValueError(
-                "Images of inconsistent shapes: the first element has images "
-                f"of shape {first_shape}, element {position} has "
-                f"{image.shape[1:]}. Resize them to one size first (e.g. "
-                "keras.layers.Resizing in a map)."
-            )
-        for store, value in zip(parts, (image, label, user), strict=True):
-            store.append(value)
-    if first_shape is None:
-        raise ValueError("The dataset yielded no elements; it holds no images.")
-    return tuple(np.concatenate(store) for store in parts)
-
-
 def _check_images(images):
-    if isinstance(images, list | tuple):
-        shapes = {np.shape(image) for image in images}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"Images of inconsistent shapes: {sorted(shapes)[:3]}. Resize "
-                "them to one size first."
-            )
-        images = np.asarray(images)
-    if not all(hasattr(images, name) for name in ("shape", "dtype", "__getitem__")):
-        images = np.asarray(images)
+    """Numeric images (from `kdpemb.data.inputs`) of four axes, all finite."""
     shape = tuple(images.shape)
     if len(shape) != 4:
         hint = (
@@ -126,14 +76,7 @@ def _check_images(images):
         raise ValueError(
             f"images must have shape (N, height, width, channels), got {shape}." + hint
         )
-    if shape[0] == 0:
-        raise ValueError("images is empty: there are no examples.")
-    dtype = np.dtype(images.dtype)
-    if dtype.kind not in "uif":
-        raise ValueError(
-            f"images must hold numbers (uint8 or float), got dtype {dtype}."
-        )
-    if dtype.kind == "f":
+    if np.dtype(images.dtype).kind == "f":
         _check_finite(images)
     return images
 

@@ -9,6 +9,7 @@ import pytest
 from kdpemb.callbacks import RecallAtFAR
 from kdpemb.datasets import UserImages
 from kdpemb.metrics import recall_at_far
+from tests.data.elements import Elements, batches
 
 
 def held_out(seed=0, identities=15, per_identity=4, dim=6):
@@ -106,3 +107,30 @@ def test_user_images_tf_data_and_an_explicit_backbone():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RecallAtFAR(held_out(), **kwargs)
+
+
+def test_a_pydataset_gives_the_values_of_arrays_in_any_batch_size():
+    x, labels = held_out(3)
+    net = backbone()
+    values = []
+    for data, batch_size in (
+        ((x, labels), 5),
+        ((x, labels), 256),
+        (Elements(batches(x, labels, labels, size=7)), 1),
+    ):
+        callback = RecallAtFAR(data, far=0.1, backbone=net, batch_size=batch_size)
+        values.append(callback.evaluate()["recall@far=1e-01"])
+    expected = recall_at_far(net.predict(x, verbose=0), labels, 0.1)
+    assert values == pytest.approx([expected] * 3)
+
+
+def test_data_without_labels_is_refused_before_training():
+    x, labels = held_out()
+    with pytest.raises(ValueError, match=r"data must be \(images, labels, \.\.\.\)"):
+        RecallAtFAR(x)
+    with pytest.raises(ValueError, match=r"first element of the PyDataset must be"):
+        RecallAtFAR(Elements(batches(x)))
+    with pytest.raises(ValueError, match=r"labels must have shape \(60, \.\.\.\)"):
+        RecallAtFAR((x, labels[:-1]))
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        RecallAtFAR((x, labels), batch_size=0)
