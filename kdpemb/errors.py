@@ -43,6 +43,17 @@ class UnsupportedLayerError(ValueError):
     """The backbone holds a layer that would leak private data."""
 
 
+class NonFiniteFeaturesError(ValueError):
+    """A backbone gave NaN or infinite features (or embeddings).
+
+    `summary` says how many rows, and the first.
+    """
+
+    def __init__(self, message, summary=""):
+        super().__init__(message)
+        self.summary = summary
+
+
 class PrivacyBudgetExhaustedError(RuntimeError):
     """Training was asked to continue with no privacy budget left."""
 

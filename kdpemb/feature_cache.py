@@ -5,16 +5,20 @@ its features here as `features-<key>.npy` (float32; plus
 `features-<key>.labels.npy` for the labels of a stream), written
 atomically, so an interrupted run leaves a whole file or none.
 
-**The key** is a SHA-256 of: a format tag; `backbone_name`; every weight
-of the backbone (`backbone.weights`, in order: shape, dtype and bytes);
+**The key** is a SHA-256 of: a format tag; `backbone_name`; the class and
+configuration of every layer, without its name (so a layer without
+weights, such as pooling or `Rescaling`, changes the key; auto-generated
+names such as `dense_1` do not); every weight of the backbone
+(`backbone.weights`, in order: shape, dtype and bytes); whether the
+labels of a stream are stored with the features;
 and the data: for arrays their shape, dtype and a SHA-256 of their bytes
 (read in chunks of 16 MiB), plus `data_name` if given; for a
 `tf.data.Dataset` or a `PyDataset`, the `data_name` you must give it.
 
-The backbone's code and architecture are not hashed: `backbone_name`
-stands for them. Give a new name whenever the backbone computes something
-else from the same weights: other layers or code, a layer appended
-without weights (e.g. a `Normalization(mean=...)`), another preprocessing.
+The backbone's code is not hashed: `backbone_name` stands for it. Give a
+new name whenever the backbone computes something else from the same
+weights and layer configurations: a custom layer's new code, another
+preprocessing outside the model.
 The Keras backend and library versions are not part of the key.
 """
 
@@ -31,7 +35,7 @@ import numpy as np
 
 __all__ = ["FeatureCache", "cache_key", "data_fingerprint", "open_cache"]
 
-_KEY_FORMAT = b"kdpemb.feature_cache/2"
+_KEY_FORMAT = b"kdpemb.feature_cache/3"
 _HASH_CHUNK_BYTES = 1 << 24
 
 
@@ -156,6 +160,7 @@ def cache_key(backbone, backbone_name, fingerprint):
 
     field("format", _KEY_FORMAT)
     field("backbone_name", backbone_name)
+    field("architecture", _architecture(backbone))
     for weight in backbone.weights:
         value = np.ascontiguousarray(keras.ops.convert_to_numpy(weight))
         field("weight", f"{value.shape} {value.dtype.str}")
@@ -163,6 +168,27 @@ def cache_key(backbone, backbone_name, fingerprint):
     for tag, value in fingerprint:
         field(tag, value)
     return digest.hexdigest()
+
+
+def _architecture(backbone):
+    """Every layer's class and config without its name, and the input shape.
+
+    A cheap guard under `backbone_name`: layers without weights (pooling,
+    `Rescaling`, `Normalization(mean=...)`, a dtype policy) change the key.
+    Names are left out, so a model rebuilt with auto-generated names
+    (`dense_1`) still hits the cache; code is not hashed.
+    """
+    parts = [repr(getattr(backbone, "input_shape", None))]
+    for layer in backbone._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.Model):
+            continue  # Its layers are listed one by one.
+        try:
+            config = dict(layer.get_config())
+        except NotImplementedError:
+            config = {}
+        config.pop("name", None)
+        parts.append(f"{type(layer).__qualname__} {sorted(config.items())!r}")
+    return "\n".join(parts)
 
 
 class FeatureCache:

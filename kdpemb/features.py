@@ -15,6 +15,7 @@ import numpy as np
 
 from kdpemb import feature_cache
 from kdpemb.data import inputs
+from kdpemb.errors import NonFiniteFeaturesError
 
 __all__ = ["extract"]
 
@@ -122,8 +123,8 @@ def extract(
     """
     verbose = _check_verbose(verbose)
     cache = feature_cache.open_cache(cache, backbone_name, data_name)
+    spec = _BackboneSpec(backbone)  # The cheapest checks first.
     source = inputs.open_input(data, ("images", "labels"), batch_size=batch_size)
-    spec = _BackboneSpec(backbone)
     if not source.is_stream and spec.input_shape is not None:
         spec.check_image_shape(source.shape, source.name, stream=False)
 
@@ -371,8 +372,12 @@ def _check_finite(features, bad_images):
         else "the images are finite, so check the backbone's weights for NaN "
         "(e.g. a diverged pre-training) and its layers"
     )
-    raise ValueError(
-        f"{bad.size} of {len(features)} feature rows hold NaN or infinite values "
-        f"(the first is row {bad[0]}); {cause}. A DP fit on them would be "
-        "meaningless, so nothing was returned or cached."
+    summary = (
+        f"{bad.size} of {len(features)} rows hold NaN or infinite values, the "
+        f"first is row {bad[0]}"
+    )
+    raise NonFiniteFeaturesError(
+        f"{summary}; {cause}. A DP fit on them would be meaningless, so "
+        "nothing was returned or cached.",
+        summary,
     )

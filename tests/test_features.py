@@ -245,15 +245,18 @@ def test_another_backbone_name_misses_the_cache(tmp_path):
     assert len(cache_files(tmp_path)) == 2
 
 
-def test_the_backbone_name_stands_for_code_the_key_does_not_hash(tmp_path):
-    # Same weights, other code: the name is what tells them apart.
+def test_a_layer_without_weights_changes_the_key_under_the_same_name(tmp_path):
+    # Same weights and name, one more layer (Rescaling has no weights): the
+    # layer configurations are part of the key, so nothing stale is loaded.
     backbone, x = make_backbone(), images()
     doubled = keras.Sequential([backbone, keras.layers.Rescaling(2.0)])
+    halved = keras.Sequential([backbone, keras.layers.Rescaling(0.5)])
     first = extract(backbone, x, cache=tmp_path, backbone_name=NAME, verbose=0)
-    same_name = extract(doubled, x, cache=tmp_path, backbone_name=NAME, verbose=0)
-    np.testing.assert_array_equal(same_name, first)  # The user's name was wrong.
-    renamed = extract(doubled, x, cache=tmp_path, backbone_name="doubled", verbose=0)
-    np.testing.assert_allclose(renamed, 2.0 * first, rtol=1e-5, atol=1e-5)
+    twice = extract(doubled, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    half = extract(halved, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    np.testing.assert_allclose(twice, 2.0 * first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(half, 0.5 * first, rtol=1e-5, atol=1e-5)
+    assert len(cache_files(tmp_path)) == 3
 
 
 def test_a_cache_without_a_backbone_name_is_refused_before_any_work(tmp_path):
@@ -370,7 +373,7 @@ def test_nan_pixels_give_nan_rows_that_raise_and_are_not_cached(tmp_path):
     backbone = make_backbone()
     x = images().astype("float32")
     x[[2, 7], 0, 0, 0] = np.nan
-    with pytest.raises(ValueError, match=r"2 of 10 feature rows .* row 2\).* 2 image"):
+    with pytest.raises(ValueError, match=r"2 of 10 rows .* row 2; 2 image"):
         extract(
             backbone, x, batch_size=4, cache=tmp_path, backbone_name=NAME, verbose=0
         )
@@ -382,7 +385,7 @@ def test_nan_weights_raise_naming_every_row():
     weights = backbone.get_weights()
     weights[0][0, 0, 0, 0] = np.nan
     backbone.set_weights(weights)
-    with pytest.raises(ValueError, match=r"10 of 10 feature rows.*weights"):
+    with pytest.raises(ValueError, match=r"10 of 10 rows.*weights"):
         extract(backbone, images(), batch_size=4, verbose=0)
 
 
@@ -479,3 +482,20 @@ def test_verbose_0_and_auto_print_nothing_and_1_shows_a_progress_bar(tmp_path, c
     assert "2/2" in capsys.readouterr().out
     extract(backbone, x, batch_size=4, cache=tmp_path, backbone_name=NAME, verbose=1)
     assert "cached" in capsys.readouterr().out
+
+
+def test_auto_generated_layer_names_do_not_change_the_key(tmp_path):
+    def unnamed():
+        return keras.Sequential(
+            [keras.Input(SHAPE), keras.layers.Flatten(), keras.layers.Dense(3)]
+        )
+
+    first_model, second_model = unnamed(), unnamed()
+    second_model.set_weights(first_model.get_weights())
+    names = [[layer.name for layer in m.layers] for m in (first_model, second_model)]
+    assert names[0] != names[1]  # e.g. dense and dense_1
+    x = images()
+    first = extract(first_model, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    again = extract(second_model, x, cache=tmp_path, backbone_name=NAME, verbose=0)
+    np.testing.assert_array_equal(first, again)
+    assert len(cache_files(tmp_path)) == 1

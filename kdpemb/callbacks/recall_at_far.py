@@ -3,6 +3,7 @@
 import keras
 
 from kdpemb.data import inputs
+from kdpemb.errors import NonFiniteFeaturesError
 from kdpemb.features import extract
 from kdpemb.metrics import verification
 from kdpemb.metrics.recall_at_far_metric import far_key
@@ -106,7 +107,17 @@ class RecallAtFAR(keras.callbacks.Callback):
 
     def evaluate(self):
         """Embeds the data now and returns `{key: value}`."""
-        embeddings, labels = extract(self._embedding_model(), self._input, verbose=0)
+        try:
+            embeddings, labels = extract(
+                self._embedding_model(), self._input, verbose=0
+            )
+        except NonFiniteFeaturesError as error:
+            raise NonFiniteFeaturesError(
+                f"RecallAtFAR: the model's embeddings of the held-out data are "
+                f"not finite ({error.summary}): the model diverged or its input "
+                "was bad; Recall@FAR of non-finite embeddings is undefined. "
+                "Lower the learning rate or the clip norm."
+            ) from None
         self.last_roc, values = verification.roc_and_recall(
             embeddings, labels, list(self.fars), self.pairs, self.in_batch_size
         )

@@ -137,10 +137,17 @@ def open_input(
     >>> [(b.images.shape[0], b.labels.tolist(), b.where) for b in data.batches()]
     [(2, [0, 1], 'images[0:2]'), (2, [2, 3], 'images[2:4]'), (1, [4], 'images[4:5]')]
     """
+    layout = _Layout(tuple(fields), required, ignore_extra)
     if isinstance(data, Input):
+        missing = layout.fields[len(data.fields) : layout.required]
+        if missing or (len(data.fields) > len(layout.fields) and not ignore_extra):
+            raise ValueError(
+                f"The data must be {layout.text()}; this input holds "
+                f"{', '.join(data.fields)}"
+                + (f", without {', '.join(missing)}." if missing else ".")
+            )
         return data
     batch_size = _check_batch_size(batch_size)
-    layout = _Layout(tuple(fields), required, ignore_extra)
     if _is_tf_dataset(data):
         return _TFDataInput(data, layout, single_examples)
     if _is_py_dataset(data):
@@ -149,6 +156,13 @@ def open_input(
         parts, name = (data,), "data"
     elif hasattr(data, "images"):
         names = layout.fields[: layout.required]
+        absent = [f for f in names if not hasattr(data, f)]
+        if absent:
+            raise ValueError(
+                f"The data ({type(data).__name__}) has .images but no "
+                f".{absent[0]}; it must be {layout.text()}: pass a tuple "
+                f"({', '.join(names)}) instead."
+            )
         parts = tuple(getattr(data, f) for f in names)
         name = "data.images"
     elif isinstance(data, tuple | dict):
@@ -194,11 +208,12 @@ class _Layout:
                 parts.append(element[name])
             if len(parts) < self.required:
                 missing = self.fields[len(parts)]
+                keys = self.fields[: self.required]
+                lookups = ", ".join(f"d[{name[:-1]!r}]" for name in keys)
                 raise ValueError(
                     f"{where} is a dict without key {missing!r}; use keys "
-                    f"{', '.join(map(repr, self.fields[: self.required]))}, or "
-                    "map it to a tuple, e.g. dataset.map(lambda d: (d['image'], "
-                    "d['label']))."
+                    f"{', '.join(map(repr, keys))}, or map it to a tuple, e.g. "
+                    f"dataset.map(lambda d: ({lookups}))."
                 )
             return tuple(parts)
         parts = tuple(element) if isinstance(element, list | tuple) else (element,)
@@ -425,4 +440,8 @@ class _PyDataInput(_StreamInput):
             yield self.dataset[index]
 
     def _structure(self):
-        return self.dataset[0] if self.num_batches else np.empty(0)
+        if not self.num_batches:
+            raise ValueError(
+                "The PyDataset is empty (its length is 0): there are no images to read."
+            )
+        return self.dataset[0]

@@ -134,3 +134,27 @@ def test_data_without_labels_is_refused_before_training():
         RecallAtFAR((x, labels[:-1]))
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         RecallAtFAR((x, labels), batch_size=0)
+
+
+def test_diverged_embeddings_get_the_callbacks_own_message():
+    x, labels = held_out()
+    broken = backbone()
+    kernel, bias = broken.get_weights()
+    kernel[0, 0] = np.nan
+    broken.set_weights([kernel, bias])
+    callback = RecallAtFAR((x, labels), far=0.1, backbone=broken, verbose=0)
+    with pytest.raises(ValueError, match=r"RecallAtFAR: .*not finite.*diverged"):
+        callback.evaluate()
+
+
+def test_an_input_without_labels_is_refused_when_the_callback_is_made():
+    from kdpemb.data import inputs
+
+    images_only = inputs.open_input(held_out()[0])
+    with pytest.raises(ValueError, match=r"without labels"):
+        RecallAtFAR(images_only, far=0.1)
+
+
+def test_an_empty_dataset_is_called_empty():
+    with pytest.raises(ValueError, match="empty"):
+        RecallAtFAR(Elements([]), far=0.1)
