@@ -54,9 +54,15 @@ def check_clip_norm(value):
     return None if value is None else check_positive(value, "clip_norm")
 
 
-def check_positive_int(value, name):
+def check_positive_int(value, name, hint=""):
+    """Checks an integer >= 1 (not a bool); `hint` is appended to the error.
+
+    >>> check_positive_int(3, "local_steps")
+    3
+    """
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        hint = f" {hint}" if hint else ""
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.{hint}")
     return int(value)
 
 

@@ -2,6 +2,7 @@
 
 import keras
 
+from kdpemb import _validation as validation
 from kdpemb.data import inputs
 from kdpemb.errors import NonFiniteFeaturesError
 from kdpemb.features import extract
@@ -70,10 +71,7 @@ class RecallAtFAR(keras.callbacks.Callback):
     ):
         super().__init__()
         self.fars = tuple(float(f) for f in verification._check_far(far))
-        if not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(
-                f"every_n_epochs must be a positive int, got {every_n_epochs!r}."
-            )
+        validation.check_positive_int(every_n_epochs, "every_n_epochs")
         if pairs not in verification.PAIRS:
             raise ValueError(
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."

@@ -17,6 +17,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from kdpemb import _validation as validation
+
 _SEPARATOR = " · "
 _NAMES = {"epsilon": "ε"}
 
@@ -83,14 +85,8 @@ class RichProgress(keras.callbacks.Callback):
 
     def __init__(self, console=None, print_every=None, unit="round", keys=None):
         super().__init__()
-        if print_every is not None and (
-            isinstance(print_every, bool)
-            or not isinstance(print_every, (int, np.integer))
-            or print_every < 1
-        ):
-            raise ValueError(
-                f"print_every must be a positive int or None, got {print_every!r}."
-            )
+        if print_every is not None:
+            validation.check_positive_int(print_every, "print_every", "Or None.")
         if not isinstance(unit, str) or not unit.strip():
             raise ValueError(f"unit must be a non-empty str, got {unit!r}.")
         if isinstance(keys, str):

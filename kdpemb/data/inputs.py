@@ -21,11 +21,12 @@ apart imports neither TensorFlow nor Keras: a `tf.data.Dataset` or a
 `PyDataset` can only exist once its library is loaded.
 """
 
-import numbers
 import sys
 from typing import NamedTuple
 
 import numpy as np
+
+from kdpemb import _validation as validation
 
 FIELDS = ("images", "labels", "user_ids")
 
@@ -74,16 +75,11 @@ def _is_array_like(data):
 
 
 def _check_batch_size(batch_size):
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, numbers.Integral)
-        or batch_size < 1
-    ):
-        raise ValueError(
-            f"batch_size must be a positive int, got {batch_size!r}; e.g. "
-            "batch_size=256 (lower it if the model runs out of memory)."
-        )
-    return int(batch_size)
+    return validation.check_positive_int(
+        batch_size,
+        "batch_size",
+        "E.g. batch_size=256 (lower it if the model runs out of memory).",
+    )
 
 
 def shape_text(shape):

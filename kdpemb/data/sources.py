@@ -8,10 +8,9 @@ are read once into memory, because rounds need random access to every
 user's examples.
 """
 
-import numbers
-
 import numpy as np
 
+from kdpemb import _validation as validation
 from kdpemb.data import inputs
 from kdpemb.datasets.labels import check_labels
 from kdpemb.datasets.user_images import UserImages
@@ -103,10 +102,8 @@ def _check_labels(labels, n, num_classes):
     labels = check_labels(labels, num_examples=n)
     if num_classes is None:
         num_classes = int(labels.max()) + 1
-    elif not isinstance(num_classes, numbers.Integral) or num_classes < 1:
-        raise ValueError(
-            f"num_classes must be a positive integer, got {num_classes!r}."
-        )
+    else:
+        num_classes = validation.check_positive_int(num_classes, "num_classes")
     if labels.max() >= num_classes:
         raise ValueError(
             f"labels must be < num_classes={num_classes}, got "

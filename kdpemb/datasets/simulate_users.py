@@ -1,19 +1,15 @@
 """User ids for labelled data that has none, such as Fashion-MNIST."""
 
-import numbers
 import warnings
 
 import numpy as np
 
+from kdpemb import _validation as validation
 from kdpemb.datasets.labels import check_labels
 
 
 def _check_count(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"{name} must be a positive int, got {value!r}; pass e.g. {name}=10."
-        )
-    return int(value)
+    return validation.check_positive_int(value, name, f"Pass e.g. {name}=10.")
 
 
 def simulate_users(labels, num_users, classes_per_user=None, seed=0):

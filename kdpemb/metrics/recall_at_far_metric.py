@@ -5,6 +5,7 @@ import warnings
 import keras
 import numpy as np
 
+from kdpemb import _validation as validation
 from kdpemb.metrics import verification
 
 
@@ -99,9 +100,8 @@ class RecallAtFARMetric(keras.metrics.Metric):
             raise ValueError(
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
             )
-        for value, label in ((embedding_dim, "embedding_dim"), (capacity, "capacity")):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{label} must be a positive int, got {value!r}.")
+        validation.check_positive_int(embedding_dim, "embedding_dim")
+        validation.check_positive_int(capacity, "capacity")
         super().__init__(name=name or far_key(far_value), dtype=dtype)
         self.far = far_value
         self.embedding_dim = embedding_dim
