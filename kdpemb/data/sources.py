@@ -12,7 +12,6 @@ import numpy as np
 
 from kdpemb import _validation as validation
 from kdpemb.data import inputs
-from kdpemb.datasets.labels import check_labels
 from kdpemb.datasets.user_images import UserImages
 
 _SCAN_CHUNK = 4096
@@ -99,17 +98,11 @@ def _check_labels(labels, n, num_classes):
     labels = np.asarray(labels)
     if labels.dtype == bool:  # Two identities, as 0 and 1.
         labels = labels.astype(np.int64)
-    labels = check_labels(labels, num_examples=n)
+    if num_classes is not None:
+        num_classes = validation.check_positive_int(num_classes, "num_classes")
+    labels = validation.check_labels(labels, num_examples=n, num_classes=num_classes)
     if num_classes is None:
         num_classes = int(labels.max()) + 1
-    else:
-        num_classes = validation.check_positive_int(num_classes, "num_classes")
-    if labels.max() >= num_classes:
-        raise ValueError(
-            f"labels must be < num_classes={num_classes}, got "
-            f"{int(labels.max())} at index {int(np.argmax(labels))}. Raise "
-            "num_classes or re-index the labels."
-        )
     return labels, int(num_classes)
 
 

@@ -5,7 +5,6 @@ import warnings
 import numpy as np
 
 from kdpemb import _validation as validation
-from kdpemb.datasets.labels import check_labels
 
 
 def _check_count(name, value):
@@ -59,7 +58,7 @@ def simulate_users(labels, num_users, classes_per_user=None, seed=0):
     >>> [len(np.unique(labels[users == u])) for u in range(8)]
     [2, 2, 2, 2, 2, 2, 2, 2]
     """
-    labels = check_labels(labels)
+    labels = validation.check_labels(labels)
     num_users = _check_count("num_users", num_users)
     if classes_per_user is not None:
         classes_per_user = _check_count("classes_per_user", classes_per_user)
