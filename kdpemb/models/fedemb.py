@@ -433,7 +433,15 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
     def fit(self, x=None, *args, **kwargs):
         """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients`, or (with
         `schedule=` given to the model) its `to_tf_dataset()` or any
-        dataset of the same round dicts."""
+        dataset of the same round dicts.
+
+        Everything is checked before the first round: the schedule (taken
+        from the `VirtualClients` once, or compared with the model's),
+        the round shape, and, under a `tf.distribute` strategy of several
+        replicas, that the number of rounds is known (a dataset of
+        unknown or infinite cardinality needs `steps_per_epoch`). Warns
+        with `DataDependentScheduleWarning` when P is not a public count.
+        """
         from kdpemb.data import VirtualClients
 
         for name in ("validation_data", "validation_split"):
@@ -785,6 +793,8 @@ def _output_dim(backbone):
 
 
 def _check_round(data, local_steps):
+    if isinstance(data, tuple) and len(data) == 1:
+        data = data[0]  # `(round,)`, as a Python generator must yield it.
     if not isinstance(data, dict) or "client_mask" not in data:
         raise ValueError(
             "FedEmbModel trains on rounds of kdpemb.data.VirtualClients (dicts "

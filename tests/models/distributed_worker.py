@@ -291,7 +291,7 @@ def unknown_length():
     else:
         model = make_model(clients, SCENARIOS["noise"])
         history = model.fit(
-            (round_ for round_ in clients), epochs=1, verbose=0, callbacks=[budget]
+            ((round_,) for round_ in clients), epochs=1, verbose=0, callbacks=[budget]
         )
     report["replica_private_steps"] = replica_private_steps(model)
     report["budget_steps"] = budget.statement.steps
