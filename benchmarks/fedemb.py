@@ -164,11 +164,14 @@ def _identities(config, count, per_identity, first_identity=0):
 def _fedemb(config, train, *, seed, clients_per_round, rounds, server=None, **args):
     """Fits a FedEmbModel for `rounds` rounds; returns it and its clients."""
     images, labels, users = train
+    # The benchmark's user count is a public setting: P is given from it.
+    num_users = np.unique(users).size
     clients = _silenced(
         VirtualClients,
         images, labels, users,
         clients_per_round=clients_per_round,
         users_per_client=config.users_per_client,
+        num_clients=-(-num_users // config.users_per_client),
         local_steps=config.local_steps,
         batch_size=config.batch_size,
         rounds_per_epoch=rounds,
@@ -179,15 +182,7 @@ def _fedemb(config, train, *, seed, clients_per_round, rounds, server=None, **ar
         "head_lr_scale": config.head_lr_scale,
         **args,
     }
-    model = _silenced(
-        FedEmbModel,
-        _backbone(config, seed),
-        local_steps=config.local_steps,
-        clients_per_round=clients_per_round,
-        users_per_client=config.users_per_client,
-        seed=seed,
-        **settings,
-    )
+    model = _silenced(FedEmbModel, _backbone(config, seed), seed=seed, **settings)
     model.compile(optimizer=server or keras.optimizers.Adam(config.server_lr))
     model.fit(clients, epochs=1, verbose=0)
     return model, clients
@@ -438,12 +433,9 @@ def _round_against_centralized(config, clients_per_round, parallelism, batch):
     fedemb = _silenced(
         FedEmbModel,
         backbone(),
-        local_steps=config.local_steps,
         clip_norm=1.0,
         noise_multiplier=1.0,
-        clients_per_round=clients_per_round,
-        num_users=clients.num_users,
-        sampling="fixed",
+        schedule=clients.schedule,  # The rounds below are copies of one.
         client_parallelism=parallelism,
         seed=0,
     )

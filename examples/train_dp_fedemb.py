@@ -78,6 +78,8 @@ def main(argv=None):
         train.user_ids,
         clients_per_round=size["clients_per_round"],
         users_per_client=4,
+        # P from a public count (here the enrolled users), not from the data.
+        num_clients=size["identities"] // 4,
         local_steps=size["local_steps"],
         batch_size=size["batch_size"],
         rounds_per_epoch=rounds_per_epoch,
@@ -88,7 +90,7 @@ def main(argv=None):
     delta = 0.1 / clients.num_users
     steps = args.epochs * rounds_per_epoch
     noise_multiplier = privacy.calibrate_noise_multiplier(
-        clients.privacy_mechanism(1.0),
+        clients.schedule.privacy_mechanism(1.0),
         target_epsilon=target_epsilon,
         delta=delta,
         steps=steps,
@@ -104,14 +106,13 @@ def main(argv=None):
     untrained = recall_at_far(
         backbone.predict(held_out[0], verbose=0), held_out[1], far=1e-3
     )
+    # The schedule (users, P, M, local steps) comes from `clients` at fit.
     model = FedEmbModel(
         backbone,
-        local_steps=size["local_steps"],
         client_optimizer=0.01,
         clip_norm=0.05,
         noise_multiplier=noise_multiplier,
-        clients_per_round=size["clients_per_round"],
-        users_per_client=4,
+        delta=delta,
     )
     model.compile(optimizer=keras.optimizers.Adam(3e-3))  # The server optimizer.
     budget = PrivacyBudget(delta=delta, target_epsilon=target_epsilon, verbose=0)

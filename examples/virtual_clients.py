@@ -64,7 +64,7 @@ def main(argv=None):
             f"(global {sorted(set(element['global_labels'][row][used].tolist()))})"
         )
 
-    mechanism = clients.privacy_mechanism(noise_multiplier=1.0, clip_norm=1.0)
+    mechanism = clients.schedule.privacy_mechanism(noise_multiplier=1.0, clip_norm=1.0)
     delta = 0.1 / clients.num_users
     statement = privacy.PrivacyStatement.compute(mechanism, steps=200, delta=delta)
     print(f"\n200 rounds with noise multiplier 1.0: {statement.summary()}")

@@ -14,6 +14,7 @@ from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.data import assignment, round_size, sources
 from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
+from kdpemb.privacy import Schedule
 
 _SAMPLINGS = ("poisson", "fixed")
 # Largest overflow probability of a Poisson round's default bound M_max. For
@@ -90,9 +91,13 @@ class VirtualClients(keras.utils.PyDataset):
     function of the seed and the round number, and successive epochs get
     fresh rounds.
 
-    The number of virtual clients P and the rate q are public
-    hyperparameters. By default P derives from the number of users N,
-    which treats N as public (as DP-SGD's q = B / N does); pass
+    `schedule` is the `kdpemb.privacy.Schedule` of the rounds (users,
+    P, M, sampling, local steps): a `FedEmbModel` takes it at its first
+    `fit` on these rounds, and its `privacy_mechanism(z, clip_norm)` is the
+    mechanism of one round. The number of virtual clients P and the rate
+    q are public hyperparameters. By default P derives from the number of
+    users N, which treats N as public (as DP-SGD's q = B / N does; the
+    model warns with `kdpemb.errors.DataDependentScheduleWarning`); pass
     `num_clients` to fix P from a public count.
 
     Args:
@@ -117,7 +122,7 @@ class VirtualClients(keras.utils.PyDataset):
             with overflow probability <= 1e-9 per round.
         rounds_per_epoch: int or None. Defaults to floor(P / M) (about one
             expected pass over the clients; never more rounds per epoch
-            than `privacy_mechanism().steps_for_epochs` counts).
+            than `schedule.steps_for_epochs` counts).
         num_clients: int or None. P, the number of virtual clients, for
             k > 1. Defaults to ceil(N / k) for the N users in the data. P
             must not depend on the data for the one-client-changes
@@ -199,6 +204,16 @@ class VirtualClients(keras.utils.PyDataset):
         self.clients_per_round = self._check_clients_per_round(clients_per_round)
         self.sampling_rate = self.clients_per_round / self.num_clients
         self.local_steps = validation.check_positive_int(local_steps, "local_steps")
+        # P enters the schedule only when given: a P derived from the user
+        # count is not public (`Schedule.pool_is_public`).
+        self._schedule = Schedule.virtual_clients(
+            self.num_users,
+            self.clients_per_round,
+            users_per_client=self.users_per_client,
+            num_clients=None if num_clients is None else self.num_clients,
+            sampling=self.sampling,
+            local_steps=self.local_steps,
+        )
         self.batch_size = validation.check_positive_int(batch_size, "batch_size")
         self.max_examples_per_client = self._check_cap(max_examples_per_client)
         self.max_clients_per_round, self.truncation_probability = self._round_bound(
@@ -410,8 +425,16 @@ class VirtualClients(keras.utils.PyDataset):
             for shape, dtype in self.element_spec.values()
         )
 
-    def privacy_mechanism(self, noise_multiplier, clip_norm=None):
-        """The `kdpemb.privacy` mechanism of one round with noise z.
+    @property
+    def schedule(self):
+        """The `kdpemb.privacy.Schedule` these rounds are sampled with.
+
+        The one description of the sampling that the model (it takes it at
+        its first `fit`) and the accountant use; its
+        `privacy_mechanism(noise_multiplier, clip_norm)` is the mechanism
+        of one round. `num_clients` is in it only when you gave it (a
+        public count); otherwise `schedule.pool_is_public` is False for
+        k > 1.
 
         Example:
 
@@ -419,19 +442,11 @@ class VirtualClients(keras.utils.PyDataset):
         >>> clients = VirtualClients(np.zeros((8, 4, 4, 1)), labels=np.arange(8),
         ...                          user_ids=np.arange(8) // 2,
         ...                          clients_per_round=2, seed=None)
-        >>> mechanism = clients.privacy_mechanism(1.0, clip_norm=0.1)
+        >>> mechanism = clients.schedule.privacy_mechanism(1.0, clip_norm=0.1)
         >>> mechanism.pool_size, mechanism.sample_size, mechanism.unit
         (4, 2.0, 'user')
         """
-        return privacy.virtual_clients(
-            noise_multiplier,
-            clients_per_round=self.clients_per_round,
-            num_users=self.num_users,
-            users_per_client=self.users_per_client,
-            sampling=self.sampling,
-            clip_norm=clip_norm,
-            num_clients=self.num_clients,
-        )
+        return self._schedule
 
     def describe(self):
         """A few lines on the population, the sampling and one round."""
@@ -614,7 +629,9 @@ class VirtualClients(keras.utils.PyDataset):
         """The rounds as a prefetched `tf.data.Dataset` of dicts.
 
         Each iteration is one epoch of rounds that no earlier pass (even an
-        interrupted one) has served.
+        interrupted one) has served. Its cardinality is `rounds_per_epoch`.
+        A dataset carries no schedule: fit a `FedEmbModel` on it with
+        `FedEmbModel(..., schedule=clients.schedule)`.
         """
         import tensorflow as tf
 
@@ -630,10 +647,7 @@ class VirtualClients(keras.utils.PyDataset):
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(self.rounds_per_epoch)
         )
-        dataset = dataset.prefetch(self.max_queue_size)
-        # FedEmbModel.fit checks its settings against these rounds.
-        dataset._kdpemb_virtual_clients = self
-        return dataset
+        return dataset.prefetch(self.max_queue_size)
 
 
 def _even_quotas(counts, total, rng):

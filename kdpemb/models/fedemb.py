@@ -1,12 +1,11 @@
 """`FedEmbModel`: DP-FedEmb and DP-FedAvg as a `keras.Model`.
 
-One `train_step` is one round (DESIGN.md section 2): the round's virtual
-clients train locally (`fedemb_round`), their updates are clipped and
-summed, Gaussian noise is added once, and the server optimizer applies
-the noisy mean update to the backbone.
+One `train_step` is one round: the round's virtual clients train locally
+(`fedemb_round`), their updates are clipped and summed, Gaussian noise is
+added once, and the server optimizer applies the noisy mean update to the
+backbone.
 """
 
-import math
 import numbers
 import warnings
 
@@ -14,34 +13,30 @@ import keras
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb import privacy
-from kdpemb.errors import ReproducibleNoiseWarning
+from kdpemb.errors import DataDependentScheduleWarning, ReproducibleNoiseWarning
 from kdpemb.models import backbone_checks, backends, fedemb_round
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
-from kdpemb.privacy import gaussian_sum, protocol
+from kdpemb.privacy import Schedule, gaussian_sum, protocol
 
 AGGREGATIONS = ("partial", "full")
 _FROZEN_SETTINGS = frozenset(
     {
         "aggregation",
         "num_classes",
-        "local_steps",
         "client_optimizer",
         "head_lr_scale",
         "head_init",
         "reconstruction_steps",
         "clip_norm",
         "noise_multiplier",
-        "clients_per_round",
-        "users_per_client",
-        "num_users",
-        "num_clients",
-        "sampling",
+        "delta",
         "client_parallelism",
         "seed",
         "backbone",
         "embedding_dim",
+        "log_local_loss",
+        "log_nonfinite_updates",
     }
 )
 HEAD_INITS = ("zeros", "random")
@@ -115,12 +110,12 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
     Train it on `kdpemb.data.VirtualClients` rounds: each `train_step` is
     one round. Every sampled virtual client trains a copy of the backbone
-    and a softmax head on its own examples for `local_steps` batches; its
-    backbone update Δ (θ_local − θ) is clipped to L2 norm `clip_norm`
-    (non-finite updates become zeros and are counted); the clipped updates
-    of all clients on all devices are summed; N(0, (z·C)²) is added once;
-    the sum is divided by the expected number of clients M; and the
-    server optimizer applies −(noisy mean) as a gradient.
+    and a softmax head on its own examples for the schedule's
+    `local_steps` batches; its backbone update Δ (θ_local − θ) is clipped
+    to L2 norm `clip_norm` (non-finite updates become zeros); the clipped
+    updates of all clients on all devices are summed; N(0, (z·C)²) is
+    added once; the sum is divided by the expected number of clients M;
+    and the server optimizer applies −(noisy mean) as a gradient.
 
     - `aggregation="partial"` (DP-FedEmb): each client's head has one
       column per identity it holds, starts from zeros (or random) every
@@ -131,16 +126,19 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
     - `noise_multiplier=0` with a huge `clip_norm` is non-private
       federated training.
 
-    The privacy unit is the user: see `privacy_mechanism()` and
-    `privacy_statement(delta)`. `model.backbone` is the embedding model to
-    export; `model.save` keeps the backbone, the head, the server
-    optimizer and `private_steps`, so a loaded model keeps counting.
+    Who is sampled, and how often, is the `kdpemb.privacy.Schedule` in
+    `model.schedule`: the `VirtualClients`' own `clients.schedule`, taken
+    at the first `fit` on them (or given as `schedule=`, which a fit on a
+    `tf.data.Dataset` of rounds needs). It is set once: a later fit on
+    rounds of another schedule is refused. The privacy unit is the user:
+    see `privacy_mechanism()` and `privacy_statement()`. `model.backbone`
+    is the embedding model to export; `model.save` keeps the backbone,
+    the head, the server optimizer, the schedule and `private_steps`, so a
+    loaded model keeps counting.
 
-    Logs: `private_steps`, and `nonfinite_updates`, the round's count of
-    sampled clients whose update was non-finite and zeroed. That count is
-    computed from private data without noise and is not covered by the
-    guarantee (a diverging client is a bug to see, not to hide); keep it
-    out of anything you release.
+    Logs: `private_steps` only, unless you opt in to `local_loss` or
+    `nonfinite_updates`, which are computed from private data without
+    noise and are not covered by the guarantee.
 
     Every setting is fixed at construction (assigning one raises): the
     traced round and the accounting of past rounds depend on it. Layers
@@ -159,7 +157,6 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             backbone. Defaults to the backbone's output dimension.
         aggregation: "partial" (DP-FedEmb, default) or "full" (DP-FedAvg).
         num_classes: int. Global identities, for `aggregation="full"`.
-        local_steps: int. Local batches per client (the rounds' S).
         client_optimizer: float or `keras.optimizers.SGD`. Local SGD
             (learning rate, momentum, nesterov). Defaults to `SGD(0.01)`.
         head_lr_scale: float. The head's local learning rate is the
@@ -167,15 +164,17 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         head_init: "zeros" (default) or "random" (N(0, 1/D), fresh per
             client and round); DP-FedEmb only.
         reconstruction_steps: int. First local batches that train only
-            the head, backbone frozen. Must be below `local_steps`.
+            the head, backbone frozen. Must be below the schedule's
+            `local_steps`.
         clip_norm: float. C.
         noise_multiplier: float. z (0 for no noise).
-        clients_per_round: float. M, the expected clients per round.
-        users_per_client: int. k.
-        num_users: int or None. Users in the training data; taken from the
-            `VirtualClients` at the first `fit` if None.
-        num_clients: int or None. P, if the `VirtualClients` fixes it.
-        sampling: "poisson" (default) or "fixed", as the `VirtualClients`.
+        schedule: `kdpemb.privacy.Schedule` or None. The rounds' schedule
+            (`clients.schedule`, or `Schedule.virtual_clients(...)`). None
+            (the default) takes it from the `VirtualClients` of the first
+            `fit`.
+        delta: float or None. The δ of `privacy_statement()` (and of
+            `kdpemb.callbacks.PrivacyBudget`) when they are not given one;
+            below 1 / (number of users).
         client_parallelism: int, "all" or None. Clients trained at once
             (vectorised); 1 trains them one after another, so peak memory
             does not grow with M. None picks "all" on a JAX GPU/TPU or
@@ -184,19 +183,30 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             default) draws it from OS entropy; a fixed seed makes the noise
             predictable and warns (tests only).
         log_local_loss: bool. Log the clients' mean local training loss as
-            `local_loss`. It is computed on private data without noise and
-            is not covered by the guarantee. Defaults to False.
+            `local_loss`. Computed on private data without noise: not
+            covered by the guarantee. Defaults to False.
+        log_nonfinite_updates: bool. Log `nonfinite_updates`, the round's
+            count of sampled clients whose update was non-finite (and
+            zeroed), to debug divergence. Computed on private data without
+            noise (one user's extreme pixel can flip it): not covered by
+            the guarantee. Defaults to False.
 
     Example:
 
     >>> import keras
     >>> from kdpemb.models import FedEmbModel, small_cnn
+    >>> from kdpemb.privacy import Schedule
+    >>> schedule = Schedule.virtual_clients(40, clients_per_round=4,
+    ...                                     users_per_client=2, num_clients=20,
+    ...                                     local_steps=2)
     >>> model = FedEmbModel(small_cnn((16, 16, 3), embedding_dim=8),
-    ...                     local_steps=2, clip_norm=1.0, noise_multiplier=1.0,
-    ...                     clients_per_round=4, num_users=40)
+    ...                     clip_norm=1.0, noise_multiplier=1.0,
+    ...                     schedule=schedule, delta=1e-3)
     >>> model.compile()
     >>> model.privacy_mechanism().unit
     'user'
+    >>> model.privacy_statement().delta
+    0.001
     """
 
     _FROZEN_SETTINGS = _FROZEN_SETTINGS
@@ -208,21 +218,18 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         *,
         aggregation="partial",
         num_classes=None,
-        local_steps=1,
         client_optimizer=0.01,
         head_lr_scale=100.0,
         head_init="zeros",
         reconstruction_steps=0,
         clip_norm=1.0,
         noise_multiplier,
-        clients_per_round,
-        users_per_client=1,
-        num_users=None,
-        num_clients=None,
-        sampling="poisson",
+        schedule=None,
+        delta=None,
         client_parallelism=None,
         seed=None,
         log_local_loss=False,
+        log_nonfinite_updates=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -241,49 +248,31 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             )
         self.aggregation = aggregation
         self.head_init = head_init
-        self.local_steps = validation.check_positive_int(local_steps, "local_steps")
-        if not isinstance(reconstruction_steps, numbers.Integral) or isinstance(
-            reconstruction_steps, bool
+        if (
+            not isinstance(reconstruction_steps, numbers.Integral)
+            or isinstance(reconstruction_steps, bool)
+            or reconstruction_steps < 0
         ):
             raise ValueError(
-                f"reconstruction_steps must be an int, got {reconstruction_steps!r}."
+                f"reconstruction_steps must be an int >= 0, got "
+                f"{reconstruction_steps!r}."
             )
         self.reconstruction_steps = int(reconstruction_steps)
-        if not 0 <= self.reconstruction_steps < self.local_steps:
-            raise ValueError(
-                f"reconstruction_steps={reconstruction_steps} must be in "
-                f"[0, local_steps={self.local_steps}): with every step frozen "
-                "the backbone would never change."
-            )
         self.client_optimizer = _client_sgd(client_optimizer)
         self.head_lr_scale = validation.check_positive(head_lr_scale, "head_lr_scale")
         self.clip_norm = validation.check_positive(clip_norm, "clip_norm")
         self.noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
-        self.clients_per_round = validation.check_positive(
-            clients_per_round, "clients_per_round"
-        )
-        self.users_per_client = validation.check_positive_int(
-            users_per_client, "users_per_client"
-        )
-        self.num_users = (
-            None
-            if num_users is None
-            else validation.check_positive_int(num_users, "num_users")
-        )
-        self.num_clients = (
-            None
-            if num_clients is None
-            else validation.check_positive_int(num_clients, "num_clients")
-        )
-        self.sampling = sampling
+        self.delta = None if delta is None else validation.check_delta(delta)
         if client_parallelism not in (None, "all"):
             client_parallelism = validation.check_positive_int(
                 client_parallelism, "client_parallelism"
             )
         self.client_parallelism = client_parallelism
         self.log_local_loss = bool(log_local_loss)
-        if self.num_users is not None:
-            self.privacy_mechanism()  # Validates the schedule now.
+        self.log_nonfinite_updates = bool(log_nonfinite_updates)
+        self._schedule = None
+        if schedule is not None:
+            self._adopt_schedule(_as_schedule(schedule))
 
         backbone_checks.check_backbone(backbone)
         output_dim = _output_dim(backbone)
@@ -347,29 +336,77 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             gaussian_sum.reseed_from_entropy(self.noise_seed)
             gaussian_sum.reseed_from_entropy(self.head_seed)
 
+    # ------------------------------------------------------- schedule --
+
+    @property
+    def schedule(self):
+        """The `kdpemb.privacy.Schedule` of the rounds; None until known."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value):
+        raise AttributeError(
+            "FedEmbModel.schedule is set once: give it as "
+            "FedEmbModel(..., schedule=...) or let the first fit on a "
+            "VirtualClients take clients.schedule. The accounting of past "
+            "rounds depends on it; build a new FedEmbModel for another one."
+        )
+
+    def _adopt_schedule(self, schedule):
+        """Sets the schedule (once), after the checks that need it."""
+        if self._schedule is not None:
+            if schedule != self._schedule:
+                raise ValueError(
+                    "The rounds are sampled with another schedule than the "
+                    "model's, so its privacy accounting would be wrong "
+                    f"({_schedule_differences(self._schedule, schedule)}). "
+                    f"Model: {self._schedule}. Rounds: {schedule}. Fit it on "
+                    "rounds of the model's schedule, or build a new "
+                    "FedEmbModel for these."
+                )
+            return
+        if not self.reconstruction_steps < schedule.local_steps:
+            raise ValueError(
+                f"reconstruction_steps={self.reconstruction_steps} must be in "
+                f"[0, local_steps={schedule.local_steps}) of the schedule: "
+                "with every step frozen the backbone would never change."
+            )
+        if self.delta is not None:
+            validation.check_delta(self.delta, schedule.population, schedule.unit)
+        self._schedule = schedule
+
     # -------------------------------------------------------- privacy --
 
     def privacy_mechanism(self):
         """The user-level mechanism of one round (`kdpemb.privacy`)."""
-        if self.num_users is None:
-            raise ValueError(
-                "The privacy mechanism needs the number of users: pass "
-                "num_users to FedEmbModel, or fit it on a "
-                "kdpemb.data.VirtualClients first."
-            )
-        return privacy.virtual_clients(
-            self.noise_multiplier,
-            clients_per_round=self.clients_per_round,
-            num_users=self.num_users,
-            users_per_client=self.users_per_client,
-            sampling=self.sampling,
-            clip_norm=self.clip_norm,
-            num_clients=self.num_clients,
+        return self._known_schedule().privacy_mechanism(
+            self.noise_multiplier, self.clip_norm
         )
 
-    def privacy_statement(self, delta, accountant="pld"):
-        """The `PrivacyStatement` (unit: user) of the rounds taken so far."""
+    def privacy_statement(self, delta=None, accountant="pld"):
+        """The `PrivacyStatement` (unit: user) of the rounds taken so far.
+
+        Args:
+            delta: float or None. Defaults to the model's `delta`.
+            accountant: str. "pld" (default) or "rdp".
+        """
+        if delta is None:
+            delta = self.delta
+        if delta is None:
+            raise ValueError(
+                "privacy_statement needs a delta: pass privacy_statement("
+                "delta=...) or build the model with FedEmbModel(..., delta=...)."
+            )
         return protocol.privacy_statement(self, delta, accountant)
+
+    def _known_schedule(self):
+        if self._schedule is None:
+            raise ValueError(
+                "The FedEmbModel does not know its schedule yet: fit it on a "
+                "kdpemb.data.VirtualClients first, or build it with "
+                "FedEmbModel(..., schedule=clients.schedule)."
+            )
+        return self._schedule
 
     # ------------------------------------------------------- training --
 
@@ -394,8 +431,17 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         super().compile(optimizer=optimizer, **kwargs)
 
     def fit(self, x=None, *args, **kwargs):
-        """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients` (or its
-        `to_tf_dataset()`, or any dataset of the same round dicts)."""
+        """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients`, or (with
+        `schedule=` given to the model) its `to_tf_dataset()` or any
+        dataset of the same round dicts.
+
+        Everything is checked before the first round: the schedule (taken
+        from the `VirtualClients` once, or compared with the model's),
+        the round shape, and, under a `tf.distribute` strategy of several
+        replicas, that the number of rounds is known (a dataset of
+        unknown or infinite cardinality needs `steps_per_epoch`). Warns
+        with `DataDependentScheduleWarning` when P is not a public count.
+        """
         from kdpemb.data import VirtualClients
 
         for name in ("validation_data", "validation_split"):
@@ -406,20 +452,42 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                     "callback on held-out identities."
                 )
         _check_strategy(self)
-        clients = getattr(x, "_kdpemb_virtual_clients", x)
-        if isinstance(clients, VirtualClients):
-            self._check_clients(clients)
-        elif self.num_users is None:
+        _check_known_length(self, x, kwargs.get("steps_per_epoch"))
+        if isinstance(x, VirtualClients):
+            self._check_clients(x)
+        elif self._schedule is None:
             raise ValueError(
-                "fit a FedEmbModel on a kdpemb.data.VirtualClients (or its "
-                "to_tf_dataset()). To feed rounds from another source, pass "
-                "num_users (and every sampling setting) to the model: you "
-                "then vouch that the rounds are sampled as it states."
+                f"fit got {type(x).__name__}, which carries no schedule: a "
+                "FedEmbModel fit on anything but a kdpemb.data.VirtualClients "
+                "(e.g. clients.to_tf_dataset()) needs it given, "
+                "FedEmbModel(..., schedule=clients.schedule). You then vouch "
+                "that the rounds are sampled as it states."
+            )
+        else:
+            rows, steps = _round_shape(x)
+            if steps is not None:
+                _check_round_steps(steps, self._schedule.local_steps)
+            _check_rows_split(rows)
+            self._head_columns = None
+        schedule = self._schedule
+        if not schedule.pool_is_public:
+            warnings.warn(
+                f"The schedule's {schedule.pool_size} virtual clients are "
+                f"ceil(N / k) of the private user count N = "
+                f"{schedule.population} (k = {schedule.users_per_client}): "
+                "adding or removing one user can change P, and with it every "
+                "user's client. Pass num_clients from a public count (e.g. "
+                "enrolled users) to VirtualClients or Schedule.virtual_clients.",
+                DataDependentScheduleWarning,
+                stacklevel=2,
             )
         self._reseed()
         return super().fit(x, *args, **kwargs)
 
     def _check_clients(self, clients):
+        """Checks the model against its `VirtualClients`, then adopts their
+        schedule (if it has none) and head width; a refused fit adopts
+        nothing."""
         if (
             self.aggregation == "partial"
             and clients.users_per_client == 1
@@ -430,48 +498,16 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 "identity each), so its local softmax head has one class, a "
                 "zero loss and no gradient: the backbone would never change. "
                 "Group users into virtual clients with users_per_client > 1 "
-                "(e.g. 4 to 16) in VirtualClients and FedEmbModel."
+                "(e.g. 4 to 16) in VirtualClients."
             )
-        num_users, num_clients = self.num_users, self.num_clients
-        if num_users is None:
-            num_users = clients.num_users
-            if num_clients is None and clients.num_clients != math.ceil(
-                clients.num_users / clients.users_per_client
-            ):
-                num_clients = clients.num_clients
-        pool = privacy.num_virtual_clients(num_users, self.users_per_client)
-        expected = {
-            "num_users": (num_users, clients.num_users),
-            "clients_per_round": (self.clients_per_round, clients.clients_per_round),
-            "users_per_client": (self.users_per_client, clients.users_per_client),
-            "sampling": (self.sampling, clients.sampling),
-            "local_steps": (self.local_steps, clients.local_steps),
-            "num_clients": (num_clients or pool, clients.num_clients),
-        }
-        if self.aggregation == "full":
-            expected["num_classes"] = (self.num_classes, clients.num_classes)
-        wrong = {k: v for k, v in expected.items() if v[0] != v[1]}
-        if wrong:
-            details = "; ".join(
-                f"{key}: model {mine!r}, rounds {theirs!r}"
-                for key, (mine, theirs) in wrong.items()
-            )
+        if self.aggregation == "full" and self.num_classes != clients.num_classes:
             raise ValueError(
-                "The FedEmbModel's settings do not match its VirtualClients, so "
-                f"its privacy accounting would be wrong ({details}). Build both "
-                "from the same values."
+                f"The model's global head has num_classes={self.num_classes} "
+                f"columns but the VirtualClients have {clients.num_classes} "
+                "identities; build both with the same num_classes."
             )
-        devices = _data_parallel_devices()
-        if devices > 1 and clients.max_clients_per_round % devices:
-            size = -(-clients.max_clients_per_round // devices) * devices
-            raise ValueError(
-                f"The rounds hold {clients.max_clients_per_round} client rows, "
-                f"which do not split over {devices} devices; build the "
-                f"VirtualClients with max_clients_per_round={size}."
-            )
-        # Validated: adopt the data's counts (once) and the head width.
-        with self._settings_unfrozen():
-            self.num_users, self.num_clients = num_users, num_clients
+        _check_rows_split(clients.max_clients_per_round)
+        self._adopt_schedule(clients.schedule)
         # Local heads need one column per identity a client can hold.
         self._head_columns = clients.max_local_classes
 
@@ -514,7 +550,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def _round(self, data):
         plumbing = backends.current()
-        data = _check_round(data, self.local_steps)
+        schedule = self._known_schedule()
+        data = _check_round(data, schedule.local_steps)
         num_rows = data["images"].shape[0]
         config = self._round_config(num_rows)
         trainer = fedemb_round.ClientTrainer(
@@ -532,7 +569,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 ),
             )
         else:
-            columns = self._head_columns or data["labels"].shape[-1] * self.local_steps
+            columns = self._head_columns or (
+                data["labels"].shape[-1] * schedule.local_steps
+            )
             shape = (ops.shape(data["images"])[0], self.embedding_dim, columns)
             heads = (
                 fedemb_round.random_heads(shape, self.head_seed)
@@ -547,7 +586,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         )
         share = plumbing.noise_share()
         mean_update = [
-            (total + share * n) / self.clients_per_round
+            (total + share * n) / schedule.sample_size
             for total, n in zip(clipped.total, noise, strict=True)
         ]
         variables = list(self.backbone.trainable_variables)
@@ -558,11 +597,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.optimizer.apply([-u for u in mean_update], variables)
         self.private_steps.assign_add(1)
 
-        nonfinite = plumbing.replica_sum(clipped.num_nonfinite)
-        logs = {
-            "private_steps": self.private_steps.value,
-            "nonfinite_updates": nonfinite,
-        }
+        # Only opted-in logs are computed from private data without noise.
+        logs = {"private_steps": self.private_steps.value}
+        if self.log_nonfinite_updates:
+            logs["nonfinite_updates"] = plumbing.replica_sum(clipped.num_nonfinite)
         if self.log_local_loss:
             count = ops.cast(plumbing.replica_sum(clipped.count), "float32")
             logs["local_loss"] = plumbing.replica_sum(result.loss_sum) / ops.maximum(
@@ -586,7 +624,6 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "backbone": keras.saving.serialize_keras_object(self.backbone),
             "aggregation": self.aggregation,
             "num_classes": self.num_classes,
-            "local_steps": self.local_steps,
             "client_optimizer": {
                 "learning_rate": learning_rate,
                 "momentum": momentum,
@@ -597,13 +634,11 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "reconstruction_steps": self.reconstruction_steps,
             "clip_norm": self.clip_norm,
             "noise_multiplier": self.noise_multiplier,
-            "clients_per_round": self.clients_per_round,
-            "users_per_client": self.users_per_client,
-            "num_users": self.num_users,
-            "num_clients": self.num_clients,
-            "sampling": self.sampling,
+            "schedule": None if self._schedule is None else self._schedule.get_config(),
+            "delta": self.delta,
             "client_parallelism": self.client_parallelism,
             "log_local_loss": self.log_local_loss,
+            "log_nonfinite_updates": self.log_nonfinite_updates,
             # A reloaded model draws fresh noise: never reuse the seed.
             "seed": None,
         }
@@ -613,6 +648,89 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         config = dict(config)
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         return cls(**config)
+
+
+def _as_schedule(schedule):
+    """A `Schedule` (or its config) of user-level rounds, or a clear error."""
+    if isinstance(schedule, dict):
+        schedule = Schedule.from_config(schedule)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            "schedule must be a kdpemb.privacy.Schedule, e.g. clients.schedule "
+            "of the VirtualClients or Schedule.virtual_clients(...); got "
+            f"{type(schedule).__name__}."
+        )
+    if schedule.unit != "user":
+        raise ValueError(
+            f"FedEmbModel protects users, but the schedule samples "
+            f"{schedule.unit}s: use clients.schedule of the VirtualClients or "
+            "Schedule.virtual_clients(...)."
+        )
+    return schedule
+
+
+def _schedule_differences(mine, theirs):
+    mine, theirs = mine.get_config(), theirs.get_config()
+    return "; ".join(
+        f"{key}: model {mine[key]!r}, rounds {theirs[key]!r}"
+        for key in mine
+        if mine[key] != theirs[key]
+    )
+
+
+def _round_shape(x):
+    """`(M_max, local steps)` of a round source whose element spec tells
+    them (a `tf.data.Dataset`); None where unknown."""
+    spec = getattr(x, "element_spec", None)
+    if not isinstance(spec, dict) or "images" not in spec:
+        return None, None
+    shape = getattr(spec["images"], "shape", None)
+    if shape is None or len(shape) < 2:
+        return None, None
+    return tuple(None if d is None else int(d) for d in tuple(shape)[:2])
+
+
+def _check_rows_split(rows):
+    """The client rows of a round must split evenly over the devices."""
+    devices = _data_parallel_devices()
+    if rows is not None and devices > 1 and rows % devices:
+        size = -(-rows // devices) * devices
+        raise ValueError(
+            f"The rounds hold {rows} client rows, which do not split over "
+            f"{devices} devices; build the VirtualClients with "
+            f"max_clients_per_round={size}."
+        )
+
+
+def _known_length(x):
+    """Rounds in one pass over `x`, or None if unknown or infinite."""
+    cardinality = getattr(x, "cardinality", None)
+    if callable(cardinality):  # tf.data.Dataset
+        count = int(cardinality())
+        return count if count >= 0 else None
+    if isinstance(x, keras.utils.PyDataset):
+        return x.num_batches
+    return None
+
+
+def _check_known_length(model, x, steps_per_epoch):
+    """Under several tf.distribute replicas, refuses a round source of
+    unknown length: Keras then calls the step once more at its end, on
+    some replicas only, and `private_steps` stops matching the rounds."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None or strategy.num_replicas_in_sync < 2:
+        return
+    if steps_per_epoch is not None or _known_length(x) is not None:
+        return
+    raise ValueError(
+        f"Under {type(strategy).__name__} with {strategy.num_replicas_in_sync} "
+        f"replicas, fit needs to know how many rounds an epoch holds, and "
+        f"{type(x).__name__} does not say (unknown or infinite cardinality, "
+        "e.g. after .filter): the replicas would count different numbers of "
+        "private steps. Pass steps_per_epoch (at most the rounds the dataset "
+        "holds), or fit on VirtualClients.to_tf_dataset(), whose cardinality "
+        "is known."
+    )
 
 
 def _data_parallel_devices():
@@ -675,16 +793,22 @@ def _output_dim(backbone):
 
 
 def _check_round(data, local_steps):
+    if isinstance(data, tuple) and len(data) == 1:
+        data = data[0]  # `(round,)`, as a Python generator must yield it.
     if not isinstance(data, dict) or "client_mask" not in data:
         raise ValueError(
             "FedEmbModel trains on rounds of kdpemb.data.VirtualClients (dicts "
             "with images, labels, example_mask, client_mask, ...); got "
             f"{type(data).__name__}."
         )
-    steps = data["images"].shape[1]
+    _check_round_steps(data["images"].shape[1], local_steps)
+    return data
+
+
+def _check_round_steps(steps, local_steps):
     if steps is not None and steps != local_steps:
         raise ValueError(
-            f"The rounds hold {steps} local steps per client but the model has "
-            f"local_steps={local_steps}; build both with the same value."
+            f"The rounds hold {steps} local steps per client but the model's "
+            f"schedule has local_steps={local_steps}: give the model the "
+            "schedule of these rounds, FedEmbModel(..., schedule=clients.schedule)."
         )
-    return data

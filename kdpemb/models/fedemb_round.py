@@ -1,10 +1,10 @@
 """One DP-FedEmb / DP-FedAvg round, written once in `keras.ops`.
 
-DESIGN.md section 2, steps 3 to 6. Everything here is backend-agnostic:
-the two things that differ between TensorFlow and JAX (taking a gradient,
-and summing over replicas) come in through a `kdpemb.models.backends`
-module. `FedEmbModel.train_step` calls `run_round` and applies its result
-with the server optimizer.
+The clients' local training, clipping and sum. Everything here is
+backend-agnostic: the two things that differ between TensorFlow and JAX
+(taking a gradient, and summing over replicas) come in through a
+`kdpemb.models.backends` module. `FedEmbModel.train_step` calls
+`run_round` and applies its result with the server optimizer.
 
 Per virtual client (a row of the round):
 

@@ -121,7 +121,8 @@ def test_a_public_num_clients_keeps_the_property_when_ceil_n_over_k_moves(seed):
     assert default_full.num_clients != default_small.num_clients  # The hazard.
     full = VirtualClients(images, labels, user_ids, num_clients=10, **kwargs)
     small = VirtualClients(*smaller, num_clients=10, **kwargs)
-    assert full.privacy_mechanism(1.0).pool_size == 10
+    assert full.schedule.pool_size == 10 and full.schedule.pool_is_public
+    assert not default_full.schedule.pool_is_public
     for round_index in range(40):
         a = client_contents(full, round_index, images[:, 0, 0, 0])
         b = client_contents(small, round_index, smaller[0][:, 0, 0, 0])
@@ -593,9 +594,8 @@ def test_an_epoch_never_runs_more_rounds_than_the_accountant_counts():
             images, labels, user_ids, clients_per_round=m,
             users_per_client=users_per_client,
         )  # fmt: skip
-        mechanism = clients.privacy_mechanism(1.0)
         for epochs in (1, 3, 10):
-            assert epochs * len(clients) <= mechanism.steps_for_epochs(epochs)
+            assert epochs * len(clients) <= clients.schedule.steps_for_epochs(epochs)
 
 
 def test_enrolled_users_without_examples_are_dropped_with_a_count():
@@ -613,20 +613,32 @@ def test_enrolled_users_without_examples_are_dropped_with_a_count():
 # ------------------------------------------------------- accounting & fit --
 
 
-@pytest.mark.parametrize("users_per_client", [1, 4])
-def test_privacy_mechanism_uses_the_same_pool_and_rate(users_per_client):
+@pytest.mark.parametrize(
+    ("users_per_client", "num_clients"), [(1, None), (4, None), (4, 12)]
+)
+def test_the_schedule_has_the_pool_and_rate_the_rounds_are_sampled_with(
+    users_per_client, num_clients
+):
     images, labels, user_ids = population(41, seed=9)
     clients = VirtualClients(
-        images, labels, user_ids, clients_per_round=3,
-        users_per_client=users_per_client,
+        images, labels, user_ids, clients_per_round=3, local_steps=2,
+        users_per_client=users_per_client, num_clients=num_clients,
     )  # fmt: skip
-    mechanism = clients.privacy_mechanism(1.0, clip_norm=0.5)
-    expected = privacy.virtual_clients(
-        1.0, 3, 41, users_per_client=users_per_client, clip_norm=0.5
-    )
-    assert mechanism == expected
-    assert mechanism.pool_size == clients.num_clients
-    assert mechanism.sample_size / mechanism.pool_size == clients.sampling_rate
+    schedule = clients.schedule
+    assert schedule == privacy.Schedule.virtual_clients(
+        41, 3, users_per_client=users_per_client, num_clients=num_clients,
+        local_steps=2,
+    )  # fmt: skip
+    assert schedule.pool_size == clients.num_clients
+    assert schedule.sampling_probability == clients.sampling_rate
+    # P derived from the user count is not public (k > 1 only).
+    assert schedule.pool_is_public == (users_per_client == 1 or num_clients is not None)
+    mechanism = schedule.privacy_mechanism(1.0, clip_norm=0.5)
+    assert mechanism == privacy.virtual_clients(
+        1.0, 3, 41, users_per_client=users_per_client, clip_norm=0.5,
+        num_clients=num_clients,
+    )  # fmt: skip
+    assert not hasattr(clients, "privacy_mechanism")  # One owner: the schedule.
 
 
 def test_rounds_feed_model_fit_on_this_backend():
@@ -680,6 +692,8 @@ def test_to_tf_dataset_yields_the_same_rounds_and_fresh_epochs():
     clients, _ = make_clients(rounds_per_epoch=2)
     twin, _ = make_clients(rounds_per_epoch=2)
     dataset = clients.to_tf_dataset()
+    # A known length: tf.distribute counts steps by it (FedEmbModel.fit).
+    assert int(dataset.cardinality()) == 2
     for epoch in range(1, 3):  # Epoch 0 is the Keras epoch of `clients[i]`.
         elements = list(dataset.as_numpy_iterator())
         assert len(elements) == 2

@@ -15,7 +15,9 @@ initialise:
 Every scenario also runs without distribution in the same process, from
 the same initial weights, seeds and rounds, as the single-device
 reference. A scenario that raises is reported with its traceback under
-`"error"` so that the parent test shows it.
+`"error"` so that the parent test shows it. `unknown_length` runs only
+distributed: it feeds rounds whose number is unknown up front (a
+filtered `tf.data.Dataset` on TensorFlow, a generator on JAX).
 
 Usage: `KERAS_BACKEND=tensorflow|jax python distributed_worker.py`. The
 last line of stdout is one JSON object (see `main`). The tests import this
@@ -34,7 +36,8 @@ import numpy as np
 BACKEND = os.environ.get("KERAS_BACKEND")
 NUM_DEVICES = 2
 
-# Rounds: 16 single-identity users in P = 8 virtual clients of k = 2,
+# Rounds: 16 single-identity users in P = 8 virtual clients of k = 2 (P
+# given, as a public count would be),
 # Poisson sampling with M = 6 (q = 0.75) into M_max = 8 rows, 4 per
 # device. With this sampling seed every round 0..7 samples 5 to 7 clients,
 # so both devices' halves of the client axis hold sampled clients.
@@ -55,6 +58,7 @@ ROUNDS = 2
 # step is N(0, (z C / M)^2) when the noise is added exactly once.
 NOISE_MULTIPLIER = 1.0
 NOISE_CLIP = 1.0
+DELTA = 1e-3
 
 
 def configure_devices():
@@ -80,6 +84,7 @@ STRATEGY = None  # TensorFlow: the MirroredStrategy of the distributed runs.
 
 import keras  # noqa: E402
 
+from kdpemb.callbacks import PrivacyBudget  # noqa: E402
 from kdpemb.data import VirtualClients  # noqa: E402
 from kdpemb.datasets import synthetic_identities  # noqa: E402
 from kdpemb.models import FedEmbModel, fedemb_round  # noqa: E402
@@ -113,6 +118,7 @@ def make_clients():
         data,
         clients_per_round=CLIENTS_PER_ROUND,
         users_per_client=USERS_PER_CLIENT,
+        num_clients=NUM_USERS // USERS_PER_CLIENT,
         local_steps=LOCAL_STEPS,
         batch_size=BATCH_SIZE,
         max_clients_per_round=MAX_CLIENTS,
@@ -133,14 +139,9 @@ def make_model(clients, settings):
         ],
         name="flat_dense",
     )
+    # The schedule is given: a tf.data.Dataset of rounds does not carry it.
     model = FedEmbModel(
-        backbone,
-        local_steps=LOCAL_STEPS,
-        clients_per_round=CLIENTS_PER_ROUND,
-        users_per_client=USERS_PER_CLIENT,
-        num_users=clients.num_users,
-        seed=MODEL_SEED,
-        **settings,
+        backbone, schedule=clients.schedule, seed=MODEL_SEED, **settings
     )
     # The server optimizer: one step moves θ by exactly the noisy mean.
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0, momentum=0.0))
@@ -256,8 +257,52 @@ def fit(settings, distributed):
     return report
 
 
+def replica_private_steps(model):
+    """`private_steps` on every replica (one value without replicas)."""
+    value = model.private_steps.value
+    return [
+        int(keras.ops.convert_to_numpy(v)) for v in getattr(value, "values", [value])
+    ]
+
+
+def unknown_length():
+    """Distributed fits on rounds of unknown number. TensorFlow: refused
+    without `steps_per_epoch` (before any round), counted exactly with it;
+    JAX: counted exactly."""
+    clients = make_clients()
+    report = {}
+    budget = PrivacyBudget(DELTA, verbose=0)
+    if BACKEND == "tensorflow":
+        with STRATEGY.scope():
+            model = make_model(clients, SCENARIOS["noise"])
+
+        def rounds():
+            return clients.to_tf_dataset().filter(lambda round_: True)
+
+        try:
+            model.fit(rounds(), epochs=1, verbose=0)
+            report["refused"] = None
+        except ValueError as error:
+            report["refused"] = str(error)
+        report["steps_after_refusal"] = replica_private_steps(model)
+        history = model.fit(
+            rounds(), epochs=1, verbose=0, steps_per_epoch=ROUNDS, callbacks=[budget]
+        )
+    else:
+        model = make_model(clients, SCENARIOS["noise"])
+        history = model.fit(
+            ((round_,) for round_ in clients), epochs=1, verbose=0, callbacks=[budget]
+        )
+    report["replica_private_steps"] = replica_private_steps(model)
+    report["budget_steps"] = budget.statement.steps
+    report["history"] = {k: [float(x) for x in v] for k, v in history.history.items()}
+    return report
+
+
 def run(name, distributed):
     try:
+        if name == "unknown_length":
+            return unknown_length()
         return fit(SCENARIOS[name], distributed)
     except Exception:
         return {"error": traceback.format_exc()}
@@ -283,6 +328,7 @@ def main():
         results["mesh_devices"] = int(distribution.device_mesh.devices.size)
     for name in SCENARIOS:
         results[f"distributed/{name}"] = run(name, distributed=True)
+    results["distributed/unknown_length"] = run("unknown_length", distributed=True)
     sys.stdout.write(json.dumps(results) + "\n")
 
 

@@ -17,7 +17,9 @@ from scipy import stats
 from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget
 from kdpemb.data import VirtualClients
+from kdpemb.errors import DataDependentScheduleWarning
 from kdpemb.models import FedEmbModel, ReproducibleNoiseWarning, UnsupportedLayerError
+from kdpemb.privacy import Schedule
 from tests.models import fedemb_reference as ref
 
 pytestmark = [
@@ -28,17 +30,31 @@ pytestmark = [
 DELTA = 1e-3
 
 
+SCHEDULE_ARGS = ("num_users", "clients_per_round", "users_per_client", "local_steps")
+
+
+def make_schedule(num_users=20, clients_per_round=2.5, users_per_client=2, **args):
+    """User-level rounds with P = ceil(N / k) given as a public count."""
+    num_clients = -(-num_users // users_per_client) if users_per_client > 1 else None
+    return Schedule.virtual_clients(
+        num_users,
+        clients_per_round,
+        users_per_client=users_per_client,
+        num_clients=num_clients,
+        **args,
+    )
+
+
 def make_model(backbone, compile=True, **overrides):
     """A non-private (z = 0, no clipping) model; M = 2.5 of 10 clients."""
+    schedule_args = {"local_steps": 3}
+    schedule_args.update({k: overrides.pop(k) for k in SCHEDULE_ARGS if k in overrides})
     settings = {
-        "local_steps": 3,
         "client_optimizer": 0.2,
         "head_lr_scale": 5.0,
         "clip_norm": 1e9,
         "noise_multiplier": 0.0,
-        "clients_per_round": 2.5,
-        "num_users": 20,
-        "users_per_client": 2,
+        "schedule": make_schedule(**schedule_args),
         "seed": 0,
         **overrides,
     }
@@ -244,13 +260,53 @@ def test_noise_has_std_z_c_over_m_once_per_round_and_fresh_every_round():
 # ----------------------------------------------- non-finite, BatchNorm --
 
 
-def test_a_non_finite_client_is_zeroed_counted_and_logged():
-    backbone = ref.linear_backbone(seed=4)
-    model = make_model(backbone, local_steps=2, clip_norm=1.0)
-    start = backbone.get_weights()
+def poisoned_round(value=np.inf):
+    """A round of three clients whose second one holds a `value` pixel."""
     data = ref.make_round(50, classes=(3, 2, 2), rows=3, steps=2)
     poisoned = {key: value.copy() for key, value in data.items()}
-    poisoned["images"][1, 0, 0] = np.inf
+    poisoned["images"][1, 0, 0, 0, 0, 0] = value
+    return data, poisoned
+
+
+@pytest.mark.parametrize("pixel", [np.inf, 1e30], ids=["inf", "1e30"])
+def test_by_default_a_diverging_client_leaves_no_trace_in_the_logs(pixel):
+    # Whether one user's data makes their client diverge is private: with
+    # the defaults the logs hold only the step count (and ε, from the
+    # callback), the same whether the diverging user took part or not.
+    rounds = dict(zip(("clean", "poisoned"), poisoned_round(pixel), strict=True))
+    logs = {}
+    for name, data in rounds.items():
+        model = make_model(
+            ref.linear_backbone(seed=4),
+            local_steps=2,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+        )
+        budget = PrivacyBudget(DELTA, verbose=0)
+        history = fit_rounds(model, [data], callbacks=[budget])
+        assert np.isfinite(ref.kernel_of(model.backbone)).all()
+        logs[name] = history.history
+    for history in logs.values():
+        assert set(history) == {"private_steps", "epsilon"}
+    assert logs["clean"] == logs["poisoned"]
+    # The client did diverge: the opt-in log counts it.
+    model = make_model(
+        ref.linear_backbone(seed=4),
+        local_steps=2,
+        clip_norm=1.0,
+        log_nonfinite_updates=True,
+    )
+    history = fit_rounds(model, [rounds["poisoned"]])
+    assert history.history["nonfinite_updates"] == [1]
+
+
+def test_a_non_finite_client_is_zeroed_and_counted_when_asked():
+    backbone = ref.linear_backbone(seed=4)
+    model = make_model(
+        backbone, local_steps=2, clip_norm=1.0, log_nonfinite_updates=True
+    )
+    start = backbone.get_weights()
+    data, poisoned = poisoned_round()
     history = fit_rounds(model, [poisoned])
     after_poisoned = ref.kernel_of(backbone)
     assert np.isfinite(after_poisoned).all()
@@ -312,7 +368,8 @@ def test_frozen_batch_norm_is_accepted_and_its_statistics_never_change():
 
 
 def tiny_clients(users_per_client=2, **overrides):
-    """8 users with 3 examples each of 4 identities, 4x4x1 images."""
+    """8 users with 3 examples each of 4 identities, 4x4x1 images; P is
+    given as a public count (ceil(8 / k))."""
     rng = np.random.default_rng(0)
     user_ids = np.repeat(np.arange(8), 3)
     images = rng.normal(size=(user_ids.size, *ref.IMAGE_SHAPE)).astype("float32")
@@ -320,6 +377,7 @@ def tiny_clients(users_per_client=2, **overrides):
     settings = {
         "clients_per_round": 1,
         "users_per_client": users_per_client,
+        "num_clients": -(-8 // users_per_client) if users_per_client > 1 else None,
         "local_steps": 2,
         "batch_size": 2,
         "num_classes": 4,
@@ -329,15 +387,13 @@ def tiny_clients(users_per_client=2, **overrides):
     return VirtualClients(images, labels, user_ids, **settings)
 
 
-def private_model(clients, **overrides):
+def private_model(**overrides):
+    """A private model that takes its schedule from its first fit."""
     settings = {
-        "local_steps": clients.local_steps,
         "client_optimizer": 0.1,
         "clip_norm": 0.5,
         # Much noise and q = 1/4 keep the PLD accounting fast.
         "noise_multiplier": 4.0,
-        "clients_per_round": clients.clients_per_round,
-        "users_per_client": clients.users_per_client,
         "seed": 0,
         **overrides,
     }
@@ -348,7 +404,7 @@ def private_model(clients, **overrides):
 
 def test_a_saved_model_keeps_counting_and_draws_fresh_noise(tmp_path):
     clients = tiny_clients()
-    model = private_model(clients)
+    model = private_model(delta=DELTA)
     model.fit(clients, epochs=1, verbose=0)
     steps = clients.rounds_per_epoch
     path = tmp_path / "model.keras"
@@ -358,7 +414,9 @@ def test_a_saved_model_keeps_counting_and_draws_fresh_noise(tmp_path):
         loaded = keras.saving.load_model(path)
 
     assert privacy.read_private_steps(loaded) == steps
-    assert loaded.privacy_statement(DELTA) == model.privacy_statement(DELTA)
+    # The schedule taken from the rounds, and δ, are saved with the model.
+    assert loaded.schedule == clients.schedule and loaded.delta == DELTA
+    assert loaded.privacy_statement() == model.privacy_statement(DELTA)
     np.testing.assert_array_equal(
         ref.kernel_of(loaded.backbone), ref.kernel_of(model.backbone)
     )
@@ -386,7 +444,7 @@ def test_a_saved_model_keeps_its_server_optimizer(tmp_path):
     # The docstring: "model.save keeps the backbone, the head, the server
     # optimizer and private_steps". The server momentum must survive.
     clients = tiny_clients()
-    model = private_model(clients)
+    model = private_model()
     model.fit(clients, epochs=1, verbose=0)
     path = tmp_path / "model.keras"
     model.save(path)
@@ -408,13 +466,13 @@ def test_a_saved_model_keeps_its_server_optimizer(tmp_path):
 
 def test_privacy_budget_reports_the_users_epsilon():
     clients = tiny_clients()
-    model = private_model(clients)
+    model = private_model()
     budget = PrivacyBudget(DELTA, verbose=0)
     history = model.fit(clients, epochs=2, verbose=0, callbacks=[budget])
     steps = 2 * clients.rounds_per_epoch
     assert privacy.read_private_steps(model) == steps
     mechanism = model.privacy_mechanism()
-    assert mechanism == clients.privacy_mechanism(4.0, clip_norm=0.5)
+    assert mechanism == clients.schedule.privacy_mechanism(4.0, clip_norm=0.5)
     expected = privacy.epsilon(mechanism, steps, DELTA)
     assert budget.epsilon == pytest.approx(expected, rel=1e-9)
     assert history.history["epsilon"][-1] == pytest.approx(expected, rel=1e-9)
@@ -428,6 +486,7 @@ def test_single_user_clients_are_add_or_remove_one():
     model = make_model(
         ref.linear_backbone(), compile=False, users_per_client=1, num_users=50
     )
+    assert model.schedule.pool_is_public
     statement = model.privacy_statement(DELTA)
     assert statement.unit == "user"
     assert statement.neighboring_relation == "add_or_remove_one"
@@ -439,18 +498,101 @@ def test_single_user_clients_are_add_or_remove_one():
 @pytest.mark.parametrize(
     ("field", "override"),
     [
-        ("clients_per_round", {"clients_per_round": 2}),
+        ("sample_size", {"clients_per_round": 2}),
         ("users_per_client", {"users_per_client": 4}),
         ("local_steps", {"local_steps": 3}),
-        ("num_users", {"num_users": 9}),
+        ("population", {"num_users": 9}),
     ],
 )
-def test_settings_that_differ_from_the_virtual_clients_are_refused(field, override):
+def test_a_given_schedule_that_differs_from_the_rounds_is_refused(field, override):
     clients = tiny_clients()
-    model = private_model(clients, **override)
-    with pytest.raises(ValueError, match=field):
+    settings = {
+        "num_users": 8,
+        "clients_per_round": 1,
+        "users_per_client": 2,
+        "local_steps": 2,
+        **override,
+    }
+    model = private_model(schedule=make_schedule(**settings))
+    with pytest.raises(ValueError, match=f"{field}: model"):
         model.fit(clients, epochs=1, verbose=0)
     assert privacy.read_private_steps(model) == 0
+
+
+def test_the_schedule_is_taken_once_from_the_first_rounds():
+    clients = tiny_clients()
+    model = private_model()
+    assert model.schedule is None
+    with pytest.raises(ValueError, match=r"schedule=clients\.schedule"):
+        model.privacy_mechanism()
+    model.fit(clients, epochs=1, verbose=0)
+    assert model.schedule == clients.schedule
+    assert model.privacy_mechanism() == clients.schedule.privacy_mechanism(4.0, 0.5)
+    # Rounds of another schedule are refused, naming both; nothing changes.
+    other = tiny_clients(clients_per_round=2)
+    with pytest.raises(ValueError, match=r"sample_size: model 1\.0, rounds 2") as error:
+        model.fit(other, epochs=1, verbose=0)
+    assert str(clients.schedule) in str(error.value)
+    assert str(other.schedule) in str(error.value)
+    assert model.schedule == clients.schedule
+    assert privacy.read_private_steps(model) == clients.rounds_per_epoch
+    with pytest.raises(AttributeError, match="set once"):
+        model.schedule = other.schedule
+
+
+def test_checks_that_need_the_schedule_run_at_the_first_fit_before_a_round():
+    clients = tiny_clients(local_steps=2)
+    model = private_model(reconstruction_steps=2)  # Fine until S is known.
+    with pytest.raises(ValueError, match="reconstruction_steps=2"):
+        model.fit(clients, epochs=1, verbose=0)
+    assert model.schedule is None and privacy.read_private_steps(model) == 0
+    with pytest.raises(ValueError, match="reconstruction_steps=2"):
+        private_model(reconstruction_steps=2, schedule=clients.schedule)
+
+
+def test_a_fit_on_a_dataset_of_rounds_needs_the_schedule_given():
+    clients = tiny_clients()
+    model = private_model()
+    for source in (clients.to_tf_dataset(), ref.Rounds([])):
+        with pytest.raises(ValueError, match=r"FedEmbModel\(\.\.\., schedule="):
+            model.fit(source, epochs=1, verbose=0)
+    assert model.schedule is None and privacy.read_private_steps(model) == 0
+    # A dataset of rounds with another number of local steps is refused.
+    wrong = private_model(schedule=make_schedule(8, 1, local_steps=3))
+    with pytest.raises(ValueError, match="local_steps=3"):
+        wrong.fit(clients.to_tf_dataset(), epochs=1, verbose=0)
+    assert privacy.read_private_steps(wrong) == 0
+
+    given = private_model(schedule=clients.schedule)
+    given.fit(clients.to_tf_dataset(), epochs=1, verbose=0, shuffle=False)
+    assert privacy.read_private_steps(given) == clients.rounds_per_epoch
+
+
+def test_delta_is_given_once_to_the_model():
+    model = make_model(ref.linear_backbone(), compile=False, delta=DELTA)
+    assert model.delta == DELTA
+    assert model.privacy_statement() == model.privacy_statement(DELTA)
+    assert model.privacy_statement().delta == DELTA
+    assert model.privacy_statement(DELTA / 10).delta == DELTA / 10
+    without = make_model(ref.linear_backbone(), compile=False)
+    with pytest.raises(ValueError, match=r"FedEmbModel\(\.\.\., delta="):
+        without.privacy_statement()
+    # δ must be below 1 / users (20 here), checked once the users are known.
+    with pytest.raises(ValueError, match="1/population"):
+        make_model(ref.linear_backbone(), compile=False, delta=0.06)
+
+
+def test_a_user_count_derived_p_warns_at_fit_and_a_public_p_does_not():
+    derived = tiny_clients(num_clients=None)
+    assert not derived.schedule.pool_is_public
+    model = private_model()
+    with pytest.warns(DataDependentScheduleWarning, match="num_clients"):
+        model.fit(derived, epochs=1, verbose=0)
+    for clients in (tiny_clients(), tiny_clients(users_per_client=1)):
+        assert clients.schedule.pool_is_public
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DataDependentScheduleWarning)
+            private_model().fit(clients, epochs=1, verbose=0)
 
 
 def test_single_identity_users_alone_in_their_clients_are_refused():
@@ -459,9 +601,10 @@ def test_single_identity_users_alone_in_their_clients_are_refused():
     clients = VirtualClients(
         images, user_ids, user_ids, clients_per_round=1, local_steps=2, seed=0
     )
-    model = private_model(clients, users_per_client=1)
+    model = private_model()
     with pytest.raises(ValueError, match="users_per_client"):
         model.fit(clients, epochs=1, verbose=0)
+    assert model.schedule is None  # A refused fit adopts nothing.
 
 
 def test_bad_model_settings_are_refused():
@@ -493,29 +636,22 @@ def test_settings_are_fixed_after_construction():
     # The traced round bakes the settings in while the accountant reads
     # them: a later change would make ε describe another training.
     clients = tiny_clients()
-    model = private_model(clients)
+    model = private_model()
     model.fit(clients, epochs=1, verbose=0)
-    for name, value in [("noise_multiplier", 50.0), ("clip_norm", 0.1)]:
+    for name, value in [
+        ("noise_multiplier", 50.0),
+        ("clip_norm", 0.1),
+        ("delta", 1e-9),
+        ("log_nonfinite_updates", True),
+    ]:
         with pytest.raises(AttributeError, match=name):
             setattr(model, name, value)
     assert model.noise_multiplier == 4.0 and model.clip_norm == 0.5
 
 
-def test_a_tf_dataset_of_the_rounds_is_checked_like_the_rounds():
-    clients = tiny_clients()
-    model = private_model(clients, clients_per_round=2)
-    if keras.backend.backend() == "tensorflow":
-        with pytest.raises(ValueError, match="clients_per_round"):
-            model.fit(clients.to_tf_dataset(), epochs=1, verbose=0)
-    # A refused fit adopts nothing: another source is still refused.
-    with pytest.raises(ValueError, match="num_users"):
-        model.fit(ref.Rounds([]), epochs=1, verbose=0)
-    assert privacy.read_private_steps(model) == 0
-
-
 def test_validation_data_is_refused_before_any_round():
     clients = tiny_clients()
-    model = private_model(clients)
+    model = private_model()
     with pytest.raises(ValueError, match="validation_data"):
         model.fit(clients, epochs=1, verbose=0, validation_data=clients)
     assert privacy.read_private_steps(model) == 0

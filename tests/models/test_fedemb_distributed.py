@@ -13,7 +13,8 @@ backend this suite runs under) and prints JSON; the tests here check it:
 - with the clients' updates zero, each round moves every coordinate by
   N(0, (z C / M)^2): the noise is added once per round, not once per
   device, and is fresh in every round;
-- `private_steps` counts one per round.
+- `private_steps` counts one per round, also on rounds whose number is
+  unknown up front (TensorFlow refuses those without `steps_per_epoch`).
 """
 
 import contextlib
@@ -167,4 +168,21 @@ def test_noise_is_added_once_per_round_and_fresh_each_round(results, where):
 def test_private_steps_counts_one_per_round(results, where, name):
     report = scenario(results, f"{where}/{name}")
     assert report["private_steps"] == setup.ROUNDS
+    assert report["history"]["private_steps"] == [float(setup.ROUNDS)]
+
+
+def test_rounds_of_unknown_number_are_refused_or_counted_exactly(results):
+    report = scenario(results, "distributed/unknown_length")
+    if BACKEND == "tensorflow":
+        # Keras would call the step once more at the end on one replica
+        # only, and the replicas' private_steps would disagree ([3, 2]).
+        assert report["refused"] is not None
+        assert "steps_per_epoch" in report["refused"]
+        assert "to_tf_dataset()" in report["refused"]
+        assert report["steps_after_refusal"] == [0] * setup.NUM_DEVICES
+        expected = [setup.ROUNDS] * setup.NUM_DEVICES
+    else:
+        expected = [setup.ROUNDS]  # One global variable.
+    assert report["replica_private_steps"] == expected
+    assert report["budget_steps"] == setup.ROUNDS
     assert report["history"]["private_steps"] == [float(setup.ROUNDS)]
