@@ -1,9 +1,10 @@
 """Private training models (their DP `train_step`s), baselines and backbones."""
 
-from kdpemb.models.backbone_checks import UnsupportedLayerError, check_backbone
+from kdpemb.errors import ReproducibleNoiseWarning, UnsupportedLayerError
+from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
-from kdpemb.models.fedemb import FedEmbModel, ReproducibleNoiseWarning
+from kdpemb.models.fedemb import FedEmbModel
 from kdpemb.models.last_layer import (
     ClipFeatures,
     LastLayerDPClassifier,

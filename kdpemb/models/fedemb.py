@@ -13,8 +13,8 @@ import keras
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb.errors import DataDependentScheduleWarning, ReproducibleNoiseWarning
-from kdpemb.models import backbone_checks, backends, fedemb_round
+from kdpemb.errors import DataDependentScheduleWarning
+from kdpemb.models import backbone_checks, backends, fedemb_round, private_state
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import Schedule, gaussian_sum, protocol
@@ -302,29 +302,12 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             self.num_classes = None if num_classes is None else int(num_classes)
             self.head = None
 
-        self.private_steps = self.add_weight(
-            shape=(),
-            dtype="int32",
-            initializer="zeros",
-            trainable=False,
-            aggregation="only_first_replica",
-            name="private_steps",
-        )
+        self.private_steps = private_state.add_private_steps(self)
         self._head_columns = None
         self.seed = seed
-        if seed is not None:
-            warnings.warn(
-                f"FedEmbModel(seed={seed!r}) fixes the DP noise: anyone who "
-                "knows the seed can subtract it, and the guarantee is void. "
-                "Use seed=None for a model you release.",
-                ReproducibleNoiseWarning,
-                stacklevel=2,
-            )
-        self.noise_seed = keras.random.SeedGenerator(seed or 0, name="noise_seed")
-        self.head_seed = keras.random.SeedGenerator(
-            0 if seed is None else seed + 1, name="head_seed"
+        self.noise_seed, self.head_seed = private_state.noise_seed_generators(
+            seed, ("noise_seed", "head_seed"), "FedEmbModel"
         )
-        self._reseed()
         self.built = True
         self._freeze_settings()
 
@@ -332,9 +315,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         # With seed=None the noise comes from OS entropy, drawn afresh at
         # construction and at every fit, so no generator state anyone has
         # seen (a copied model, a checkpoint) predicts later noise.
-        if self.seed is None:
-            gaussian_sum.reseed_from_entropy(self.noise_seed)
-            gaussian_sum.reseed_from_entropy(self.head_seed)
+        private_state.reseed([self.noise_seed, self.head_seed], self.seed)
 
     # ------------------------------------------------------- schedule --
 

@@ -30,10 +30,10 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.errors import ReproducibleNoiseWarning
 from kdpemb.models import backends
 from kdpemb.models import last_layer_stats as stats
 from kdpemb.models.device_rows import DeviceRows
-from kdpemb.models.fedemb import ReproducibleNoiseWarning
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import gaussian_sum, protocol
