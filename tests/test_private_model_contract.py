@@ -24,7 +24,33 @@ def toy_case():
     return ContractCase("toy_dp_regressor", build, fit, 3, "example", 1e-3)
 
 
-CASES = {"toy_dp_regressor": toy_case}
+def fedemb_case():
+    from kdpemb.data import VirtualClients
+    from kdpemb.datasets import synthetic_identities
+    from kdpemb.models import FedEmbModel, small_cnn
+
+    data = synthetic_identities(16, 4, image_size=8, seed=0)
+    clients = VirtualClients(
+        data, clients_per_round=3, users_per_client=2, num_clients=8,
+        batch_size=4, rounds_per_epoch=2, workers=1,
+    )  # fmt: skip
+
+    def build():
+        backbone = small_cnn((8, 8, 3), embedding_dim=4, width=4, groups=2)
+        model = FedEmbModel(
+            backbone, schedule=clients.schedule, clip_norm=1.0,
+            noise_multiplier=1.0, client_parallelism=1,
+        )  # fmt: skip
+        model.compile()
+        return model
+
+    def fit(model, epochs, callbacks):
+        return model.fit(clients, epochs=epochs, callbacks=callbacks, verbose=0)
+
+    return ContractCase("fedemb", build, fit, 2, "user", 1e-3)
+
+
+CASES = {"toy_dp_regressor": toy_case, "fedemb": fedemb_case}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
