@@ -64,7 +64,7 @@ def clipped_head_gradient(features, residuals, clip_norm, mask):
     >>> clipped = clipped_head_gradient(np.array([[3.0, 4.0]], "float32"),
     ...                                 np.array([[1.0, 0.0]], "float32"),
     ...                                 clip_norm=1.0, mask=np.array([True]))
-    >>> np.round(ops.convert_to_numpy(clipped.total[0]), 4).tolist()
+    >>> np.round(ops.convert_to_numpy(clipped.total[0]).astype("float64"), 4).tolist()
     [[0.5883, 0.0], [0.7845, 0.0], [0.1961, 0.0]]
     """
     norms = dense_gradient_norms(features, residuals, use_bias=True)
