@@ -96,9 +96,19 @@ class DPSGDHead:
 
     name = "dp-sgd"
     use_bias = True
+    clips_gradients = True  # Takes `clip_norm`.
+    needs_feature_clip_norm = False
+    sampled = True  # Poisson batches, run by Keras' fit.
+    single_step = False
 
     def __init__(self, clip_norm):
         self.clip_norm = clip_norm
+
+    @classmethod
+    def from_settings(cls, *, clip_norm, **settings):
+        """From the classifier's settings; only `clip_norm` matters."""
+        del settings
+        return cls(clip_norm)
 
     def mechanism(self, noise_multiplier, schedule, planned_steps):
         """The `Mechanism` of one step (`planned_steps` plays no part)."""

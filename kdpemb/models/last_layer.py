@@ -34,7 +34,8 @@ from kdpemb.models.last_layer_solvers import SOLVERS, fit_loop
 from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import gaussian_sum, protocol
 
-METHODS = ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")
+METHOD_CLASSES = {DPSGDHead.name: DPSGDHead, **SOLVERS}
+METHODS = tuple(METHOD_CLASSES)  # "dp-sgd", "dp-ls", "dp-newton", "dp-fc"
 HEAD_INITS = ("zeros", "random")
 __all__ = ["ClipFeatures", "LastLayerDPClassifier", "dense_gradient_norms"]
 
@@ -170,7 +171,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.method = method
-        if clip_norm is not None and method != "dp-sgd":
+        method_class = METHOD_CLASSES[method]
+        if clip_norm is not None and not method_class.clips_gradients:
             raise ValueError(
                 f"clip_norm is DP-SGD's gradient clip; {method} clips the "
                 "features instead: pass feature_clip_norm."
@@ -178,7 +180,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         self.clip_norm = validation.check_clip_norm(
             1.0 if clip_norm is None else clip_norm
         )
-        if feature_clip_norm is None and method != "dp-sgd":
+        if feature_clip_norm is None and method_class.needs_feature_clip_norm:
             raise ValueError(
                 f"{method} releases sums of features, whose sensitivity is set "
                 "by the feature norm: pass feature_clip_norm (C_x), e.g. a "
@@ -234,12 +236,13 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         ) = _restored_plan(
             schedule, planned_steps, calibrated_noise_multiplier, noise_multiplier
         )
-        if method == "dp-sgd":
-            self._method = DPSGDHead(self.clip_norm)
-        else:
-            self._method = SOLVERS[method](
-                self.num_classes, self.feature_clip_norm, self.budget_split, l2
-            )
+        self._method = method_class.from_settings(
+            num_classes=self.num_classes,
+            clip_norm=self.clip_norm,
+            feature_clip_norm=self.feature_clip_norm,
+            budget_split=self.budget_split,
+            l2=l2,
+        )
         self.use_bias = self._method.use_bias
         self.head = keras.layers.Dense(
             self.num_classes,
@@ -341,7 +344,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
         Returns the steps per epoch.
         """
-        if self.method != "dp-sgd" and batch_size is not None:
+        if not self._method.sampled and batch_size is not None:
             raise ValueError(
                 f"{self.method} uses all the data at every step: fit it with "
                 "batch_size=None."
@@ -462,12 +465,12 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         last_layer_inputs.check_single_device()
         features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
         epochs = validation.check_positive_int(epochs, "epochs")
-        if self.method == "dp-ls" and epochs - initial_epoch != 1:
+        if self._method.single_step and epochs - initial_epoch != 1:
             raise ValueError(
-                "dp-ls solves in one step: fit it with epochs=1 (each further "
-                "fit would release the statistics again)."
+                f"{self.method} solves in one step: fit it with epochs=1 (each "
+                "further fit would release the statistics again)."
             )
-        if self.method != "dp-sgd" and (validation_data is not None or kwargs):
+        if not self._method.sampled and (validation_data is not None or kwargs):
             raise ValueError(
                 f"{self.method}.fit takes features, labels, epochs, verbose and "
                 f"callbacks; got {sorted(kwargs) or ['validation_data']}. "
@@ -481,7 +484,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self.compile()
         if self.seed is None:
             gaussian_sum.reseed_from_entropy(self.noise_seed)
-        if self.method != "dp-sgd":
+        if not self._method.sampled:  # One host step per epoch.
             return fit_loop(
                 self,
                 lambda: self._closed_form_step(features, labels),
@@ -587,7 +590,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             **super().get_config(),
             "num_classes": self.num_classes,
             "method": self.method,
-            "clip_norm": self.clip_norm if self.method == "dp-sgd" else None,
+            "clip_norm": self.clip_norm if self._method.clips_gradients else None,
             "feature_clip_norm": self.feature_clip_norm,
             "noise_multiplier": self.noise_multiplier,
             "target_epsilon": self.target_epsilon,

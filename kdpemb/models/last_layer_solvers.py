@@ -38,12 +38,24 @@ class ClosedFormSolver:
 
     name = None
     use_bias = False
+    clips_gradients = False  # Clips the features instead.
+    needs_feature_clip_norm = True
+    sampled = False  # All the data, one host step per epoch.
+    single_step = False
 
     def __init__(self, num_classes, feature_clip_norm, budget_split, l2):
         self.num_classes = num_classes
         self.feature_clip_norm = feature_clip_norm
         self.budget_split = budget_split
         self.l2 = l2
+
+    @classmethod
+    def from_settings(
+        cls, *, num_classes, feature_clip_norm, budget_split, l2, **settings
+    ):
+        """From the classifier's settings (DP-SGD's `clip_norm` is not used)."""
+        del settings
+        return cls(num_classes, feature_clip_norm, budget_split, l2)
 
     def releases(self, noise_multiplier, planned_steps):
         """`(setup, per_step)`: tuples of `GaussianRelease`, second-order first."""
@@ -111,6 +123,7 @@ class DPLeastSquares(ClosedFormSolver):
     """Ridge least squares on one-hot targets: noisy `X̃ᵀX̃` and `X̃ᵀY`, once."""
 
     name = "dp-ls"
+    single_step = True  # A further fit would release the statistics again.
 
     def releases(self, noise_multiplier, planned_steps):
         second, first = self._split(noise_multiplier)
