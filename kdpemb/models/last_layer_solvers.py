@@ -120,7 +120,14 @@ def _kernel(model):
 
 
 class DPLeastSquares(ClosedFormSolver):
-    """Ridge least squares on one-hot targets: noisy `X̃ᵀX̃` and `X̃ᵀY`, once."""
+    """Ridge least squares on one-hot targets: noisy `X̃ᵀX̃` and `X̃ᵀY`, once.
+
+    Example:
+
+    >>> solver = DPLeastSquares(3, feature_clip_norm=2.0, budget_split=0.5, l2=None)
+    >>> [(r.name, r.sensitivity) for r in solver.releases(1.0, 1)[1]]
+    [('Gram matrix', 4.0), ('per-class feature sums', 2.0)]
+    """
 
     name = "dp-ls"
     single_step = True  # A further fit would release the statistics again.
@@ -151,7 +158,14 @@ class DPLeastSquares(ClosedFormSolver):
 
 
 class DPNewton(ClosedFormSolver):
-    """Newton steps from a noisy logistic gradient and noisy Hessian blocks."""
+    """Newton steps from a noisy logistic gradient and noisy Hessian blocks.
+
+    Example:
+
+    >>> solver = DPNewton(3, feature_clip_norm=2.0, budget_split=0.5, l2=None)
+    >>> [round(r.noise_multiplier, 4) for r in solver.releases(1.0, 1)[1]]
+    [1.4142, 1.4142]
+    """
 
     name = "dp-newton"
 
@@ -191,6 +205,13 @@ class DPFeatureCovariance(ClosedFormSolver):
     the released covariance stands in for all of them at every step. It is
     model state (`feature_covariance`, `covariance_released`), so a
     resumed or reloaded fit reuses it instead of paying for it again.
+
+    Example:
+
+    >>> solver = DPFeatureCovariance(3, 2.0, budget_split=0.5, l2=None)
+    >>> (covariance,), (gradient,) = solver.releases(1.0, planned_steps=2)
+    >>> covariance.name, round(covariance.noise_multiplier, 6), gradient.name
+    ('feature covariance', 1.0, 'logistic gradient')
     """
 
     name = "dp-fc"
