@@ -16,7 +16,7 @@ split are fixed): mean ± std.
 
 1. `pretraining`: the public model's test accuracy, C_x, times.
 2. `initialization`: few full-batch DP-SGD steps at ε = 1 from a
-   zero-initialised head against a random (Glorot uniform) one, per
+   zero-initialised head against a random (N(0, 1/d)) one, per
    optimizer and learning rate.
 3. `methods`: DP-SGD (best of a stated grid, per ε, by mean test
    accuracy), DP-SGD limited to the data passes of a closed form (one
@@ -284,10 +284,8 @@ def _label(spec):
 @functools.cache
 def _dp_sgd_noise(epsilon, delta, num_examples, batch_size, steps):
     """What `target_epsilon` calibrates, computed once per schedule."""
-    mechanism = (
-        privacy.full_batch(1.0, num_examples)
-        if batch_size is None
-        else privacy.dp_sgd(1.0, batch_size, num_examples)
+    mechanism = privacy.Schedule.examples(num_examples, batch_size).privacy_mechanism(
+        1.0
     )
     return privacy.calibrate_noise_multiplier(
         mechanism, target_epsilon=epsilon, delta=delta, steps=steps

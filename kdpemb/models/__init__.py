@@ -4,12 +4,9 @@ from kdpemb.errors import ReproducibleNoiseWarning, UnsupportedLayerError
 from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
+from kdpemb.models.dp_sgd_head import dense_gradient_norms
 from kdpemb.models.fedemb import FedEmbModel
-from kdpemb.models.last_layer import (
-    ClipFeatures,
-    LastLayerDPClassifier,
-    dense_gradient_norms,
-)
+from kdpemb.models.last_layer import ClipFeatures, LastLayerDPClassifier
 
 __all__ = [
     "CentralizedBaseline",

@@ -1,26 +1,21 @@
 """`LastLayerDPClassifier`: a private linear head on frozen features.
 
-Four methods (DESIGN.md section 3; Mehta et al. 2022, 2023):
+Four methods (Mehta et al. 2022, 2023), each a small class that owns its
+step, its releases and its accounting:
 
-- "dp-sgd": DP-SGD (or DP-LAMB, DP-Adam: any Keras optimizer) on a
-  softmax head, zero-initialised by default. The per-example gradient of a
-  dense layer is the outer product `x (p − y)ᵀ`, so each example's exact
-  gradient norm is `‖p − y‖ · (‖x‖² + 1)^½` (the 1 for the bias) and the
-  clipped sum is one matrix product: no per-example gradient is ever
-  materialised. Poisson sampling with expected batch B, or one full batch
-  per epoch (`batch_size=None`).
-- "dp-ls": ridge least squares on one-hot targets from the noisy Gram
-  matrix and noisy per-class feature sums.
-- "dp-newton": Newton steps on the multinomial logistic loss from a
-  noisy gradient and noisy per-class Hessian blocks at every step.
-- "dp-fc": the feature covariance, released once, preconditions noisy
-  logistic gradient steps for every class and every step.
+- "dp-sgd" (`dp_sgd_head.DPSGDHead`): DP-SGD (or DP-Adam, DP-LAMB: any
+  Keras optimizer) on a softmax head, a `train_step` run by Keras' `fit`.
+  Each example's exact gradient norm comes from the features and
+  residuals, so no per-example gradient is ever materialised. Poisson
+  sampling with expected batch B, or one full batch per epoch.
+- "dp-ls", "dp-newton", "dp-fc" (`last_layer_solvers`): ridge least
+  squares, Newton steps and covariance-preconditioned steps from noisy
+  float64 statistics computed on the host, one step per epoch.
 
-The closed-form statistics are computed in float64 NumPy
-(`last_layer_stats`); DP-SGD is a `train_step` in `keras.ops`.
+This module is the front: settings, the schedule fixed by the first
+`fit`, the privacy budget of a target ε, saving and prediction.
 """
 
-import math
 import secrets
 import warnings
 
@@ -30,16 +25,19 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.errors import ReproducibleNoiseWarning
-from kdpemb.models import backends
-from kdpemb.models import last_layer_stats as stats
+from kdpemb.errors import PrivacyBudgetExhaustedError
+from kdpemb.models import backends, last_layer_inputs, private_state
 from kdpemb.models.device_rows import DeviceRows
+from kdpemb.models.dp_sgd_head import DPSGDHead, dense_gradient_norms
 from kdpemb.models.frozen_settings import FrozenSettings
+from kdpemb.models.last_layer_solvers import SOLVERS, fit_loop
 from kdpemb.models.optimizer_restore import RestoresOptimizer
-from kdpemb.privacy import gaussian_sum, protocol
+from kdpemb.privacy import protocol
 
-METHODS = ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")
+METHOD_CLASSES = {DPSGDHead.name: DPSGDHead, **SOLVERS}
+METHODS = tuple(METHOD_CLASSES)  # "dp-sgd", "dp-ls", "dp-newton", "dp-fc"
 HEAD_INITS = ("zeros", "random")
+__all__ = ["ClipFeatures", "LastLayerDPClassifier", "dense_gradient_norms"]
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
@@ -64,40 +62,6 @@ class ClipFeatures(keras.layers.Layer):
         return {**super().get_config(), "clip_norm": self.clip_norm}
 
 
-def dense_gradient_norms(features, residuals, use_bias=True):
-    """Exact per-example L2 norms of a dense layer's gradient.
-
-    For logits `z = x W + b` and a loss with `∂ℓ/∂z = r`, example i's
-    gradient is `(x_i r_iᵀ, r_i)`, whose norm is
-    `‖r_i‖ · (‖x_i‖² + 1)^½` (without the 1 when there is no bias).
-
-    Args:
-        features: [B, d]. The layer's inputs.
-        residuals: [B, K]. `∂ℓ_i/∂z_i` (for softmax cross-entropy, p − y).
-        use_bias: bool.
-
-    Returns:
-        [B] norms, in the wider of the two inputs' float dtypes.
-
-    Example:
-
-    >>> norms = dense_gradient_norms(np.array([[3.0, 4.0]]),
-    ...                              np.array([[1.0, 0.0]]), use_bias=False)
-    >>> ops.convert_to_numpy(norms).tolist()
-    [5.0]
-    """
-    features, residuals = (
-        ops.convert_to_tensor(features),
-        ops.convert_to_tensor(residuals),
-    )
-    dtype = keras.backend.result_type(features.dtype, residuals.dtype, float)
-    features, residuals = ops.cast(features, dtype), ops.cast(residuals, dtype)
-    squared_x = ops.sum(ops.square(features), axis=-1)
-    if use_bias:
-        squared_x = squared_x + 1.0
-    return ops.sqrt(ops.sum(ops.square(residuals), axis=-1) * squared_x)
-
-
 @keras.saving.register_keras_serializable(package="kdpemb")
 class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     """A linear classifier on frozen features with example-level DP.
@@ -117,10 +81,13 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             costs, split between its statistics by `budget_split`. Give
             this or `target_epsilon`.
         target_epsilon: float. Calibrate the smallest noise multiplier that
-            keeps the schedule planned by the first `fit` within this ε at
-            `delta`.
-        delta: float. δ for `target_epsilon` (below 1 / number of examples).
-        head_init: "zeros" (default) or "random" (Glorot uniform).
+            keeps the run planned by the first `fit` within this ε at
+            `delta`. Later fits may only take the planned steps not yet
+            taken: a fit that would go past the target is refused.
+        delta: float. δ for `target_epsilon` and the default δ of
+            `privacy_statement` (below 1 / number of examples).
+        head_init: "zeros" (default) or "random": kernel entries drawn
+            from N(0, 1/d), as FedEmb's random heads.
         l2: float or None. Ridge penalty: the objective is the mean loss
             plus `l2 / 2 · ‖W‖²`. None: 0 for DP-SGD; for the closed-form
             methods a penalty at the scale of the noise on the
@@ -133,6 +100,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         seed: int or None. None draws the noise (and the sampling) from OS
             entropy; an int makes them reproducible and predictable, for
             tests only (warns `ReproducibleNoiseWarning`).
+        schedule, planned_steps, calibrated_noise_multiplier: set by the
+            first `fit` and saved with the model; not for you to pass.
+            `schedule` is a `kdpemb.privacy.Schedule` (examples N, batch
+            size B), `planned_steps` the steps the first fit planned, and
+            `calibrated_noise_multiplier` the z found for `target_epsilon`.
 
     `fit(features, labels, batch_size=None, epochs=1)`: `batch_size=None`
     is one full-batch step per epoch; DP-SGD with an int samples batches of
@@ -151,7 +123,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     ...                               target_epsilon=1.0, delta=1e-4)
     >>> history = model.fit(features, labels, verbose=0)
     >>> accuracy = (model.predict(features, verbose=0).argmax(1) == labels).mean()
-    >>> bool(accuracy > 0.6), round(model.privacy_statement(1e-4).epsilon, 1)
+    >>> bool(accuracy > 0.6), round(model.privacy_statement().epsilon, 1)
     (True, 1.0)
     """
 
@@ -169,6 +141,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "budget_split",
             "seed",
             "schedule",
+            "planned_steps",
+            "calibrated_noise_multiplier",
             "use_bias",
         }
     )
@@ -188,6 +162,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         budget_split=0.5,
         seed=None,
         schedule=None,
+        planned_steps=None,
+        calibrated_noise_multiplier=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -195,7 +171,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.method = method
-        if clip_norm is not None and method != "dp-sgd":
+        method_class = METHOD_CLASSES[method]
+        if clip_norm is not None and not method_class.clips_gradients:
             raise ValueError(
                 f"clip_norm is DP-SGD's gradient clip; {method} clips the "
                 "features instead: pass feature_clip_norm."
@@ -203,7 +180,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         self.clip_norm = validation.check_clip_norm(
             1.0 if clip_norm is None else clip_norm
         )
-        if feature_clip_norm is None and method != "dp-sgd":
+        if feature_clip_norm is None and method_class.needs_feature_clip_norm:
             raise ValueError(
                 f"{method} releases sums of features, whose sensitivity is set "
                 "by the feature norm: pass feature_clip_norm (C_x), e.g. a "
@@ -243,23 +220,32 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             raise ValueError(f"budget_split must be in (0, 1), got {budget_split!r}.")
         self.budget_split = float(budget_split)
         self.seed = seed
-        if seed is not None:
-            warnings.warn(
-                f"LastLayerDPClassifier(seed={seed!r}) fixes the DP noise and "
-                "sampling: the guarantee is void. Use seed=None for a model you "
-                "release.",
-                ReproducibleNoiseWarning,
-                stacklevel=2,
-            )
-        # Fixed by the first fit: examples N, batch size B, noise multiplier
-        # z and the planned steps; later fits must keep N and B.
-        self.schedule = None if schedule is None else dict(schedule)
-
-        self.use_bias = method == "dp-sgd"
+        # Fixed by the first fit; later fits must keep N and B.
+        (
+            self.schedule,
+            self.planned_steps,
+            self.calibrated_noise_multiplier,
+        ) = _restored_plan(
+            schedule, planned_steps, calibrated_noise_multiplier, noise_multiplier
+        )
+        self._method = method_class.from_settings(
+            num_classes=self.num_classes,
+            clip_norm=self.clip_norm,
+            feature_clip_norm=self.feature_clip_norm,
+            budget_split=self.budget_split,
+            l2=l2,
+        )
+        self.use_bias = self._method.use_bias
         self.head = keras.layers.Dense(
             self.num_classes,
             use_bias=self.use_bias,
-            kernel_initializer="zeros" if head_init == "zeros" else "glorot_uniform",
+            kernel_initializer=(
+                "zeros"
+                if head_init == "zeros"
+                else keras.initializers.VarianceScaling(
+                    1.0, "fan_in", "untruncated_normal"
+                )  # N(0, 1/d)
+            ),
             name="head",
         )
         self.clip_features = (
@@ -267,17 +253,10 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             if self.feature_clip_norm is None
             else ClipFeatures(self.feature_clip_norm, name="clip_features")
         )
-        self.private_steps = self.add_weight(
-            shape=(),
-            dtype="int32",
-            initializer="zeros",
-            trainable=False,
-            aggregation="only_first_replica",
-            name="private_steps",
+        self.private_steps = private_state.add_private_steps(self)
+        (self.noise_seed,) = private_state.noise_seed_generators(
+            seed, ("noise_seed",), "LastLayerDPClassifier"
         )
-        self.noise_seed = keras.random.SeedGenerator(seed or 0, name="noise_seed")
-        if seed is None:
-            gaussian_sum.reseed_from_entropy(self.noise_seed)
         self.covariance = None
         self._rows = DeviceRows()  # DP-SGD's training rows; never saved.
         self._loss_mean = keras.metrics.Mean(name="loss")
@@ -289,17 +268,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         self.head.build((None, dim))
         if self.clip_features is not None:
             self.clip_features.build((None, dim))
-        if self.method == "dp-fc":
-            # The released covariance is model state: a resumed fit reuses
-            # it instead of releasing (and paying for) it again.
-            self.covariance = self.add_weight(
-                shape=(dim, dim), initializer="zeros", trainable=False,
-                name="feature_covariance",
-            )  # fmt: skip
-            self.covariance_released = self.add_weight(
-                shape=(), dtype="int32", initializer="zeros", trainable=False,
-                name="covariance_released",
-            )  # fmt: skip
+        self._method.build(self, dim)
         self.built = True
 
     def call(self, features, training=False):
@@ -324,61 +293,12 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
     # -------------------------------------------------------- privacy --
 
-    def _stds(self, noise_multiplier, planned_steps):
-        """Noise std of each statistic; see `_releases`."""
-        z, split = noise_multiplier, self.budget_split
-        cx = self.feature_clip_norm
-        if self.method == "dp-ls":
-            return {
-                "Gram matrix": (z / math.sqrt(split) * cx**2, cx**2),
-                "per-class feature sums": (z / math.sqrt(1 - split) * cx, cx),
-            }
-        gradient = stats.GRADIENT_SENSITIVITY * cx
-        if self.method == "dp-newton":
-            hessians = stats.HESSIANS_SENSITIVITY * cx**2
-            return {
-                "per-class Hessians": (z / math.sqrt(split) * hessians, hessians),
-                "logistic gradient": (z / math.sqrt(1 - split) * gradient, gradient),
-            }
-        # dp-fc: the covariance takes `split` of the planned run's budget.
-        covariance = stats.GRAM_SENSITIVITY * cx**2
-        return {
-            "feature covariance": (
-                z / math.sqrt(split * planned_steps) * covariance,
-                covariance,
-            ),
-            "logistic gradient": (z / math.sqrt(1 - split) * gradient, gradient),
-        }
-
-    def _mechanism(self, noise_multiplier, schedule):
-        num_examples = schedule["num_examples"]
-        if self.method == "dp-sgd":
-            if schedule["batch_size"] is None:
-                return privacy.full_batch(
-                    noise_multiplier, num_examples, clip_norm=self.clip_norm
-                )
-            return privacy.dp_sgd(
-                noise_multiplier,
-                schedule["batch_size"],
-                num_examples,
-                clip_norm=self.clip_norm,
-            )
-        releases = [
-            privacy.GaussianRelease(std, sensitivity, name)
-            for name, (std, sensitivity) in self._stds(
-                noise_multiplier, schedule["planned_steps"]
-            ).items()
-        ]
-        if self.method == "dp-fc":
-            return _ScaledReleases(
-                releases=releases[1:],
-                population=num_examples,
-                clip_norm=self.feature_clip_norm,
-                setup=releases[:1],
-            )
-        return privacy.gaussian_releases(
-            releases, num_examples, clip_norm=self.feature_clip_norm
-        )
+    @property
+    def step_noise_multiplier(self):
+        """z of every step: the one given, or the one calibrated by the first fit."""
+        if self.noise_multiplier is not None:
+            return self.noise_multiplier
+        return self.calibrated_noise_multiplier
 
     def privacy_mechanism(self):
         """The mechanism of one step (`kdpemb.privacy`); known after the first fit."""
@@ -387,18 +307,29 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 "The mechanism depends on the number of examples and the batch "
                 "size: fit the classifier first."
             )
-        return self._mechanism(self.schedule["noise_multiplier"], self.schedule)
+        return self._method.mechanism(
+            self.step_noise_multiplier, self.schedule, self.planned_steps
+        )
 
     def privacy_statement(self, delta=None, accountant="pld"):
-        """The `PrivacyStatement` (unit: example) of the steps taken so far."""
+        """The `PrivacyStatement` (unit: example) of the steps taken so far.
+
+        `delta` defaults to the model's `delta`.
+        """
         delta = self.delta if delta is None else delta
         if delta is None:
-            raise ValueError("Pass delta (or give the model one).")
+            raise ValueError(
+                "privacy_statement needs a δ: pass delta=..., or build the "
+                "classifier with delta=..."
+            )
         return protocol.privacy_statement(self, delta, accountant)
 
     def _plan(self, num_examples, batch_size, epochs):
-        """Fixes the schedule at the first fit; checks later fits against it."""
-        if self.method != "dp-sgd" and batch_size is not None:
+        """Fixes the schedule at the first fit; checks later fits against it.
+
+        Returns the steps per epoch.
+        """
+        if not self._method.sampled and batch_size is not None:
             raise ValueError(
                 f"{self.method} uses all the data at every step: fit it with "
                 "batch_size=None."
@@ -414,39 +345,69 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             1 if batch_size is None else max(1, round(num_examples / batch_size))
         )
         if self.schedule is not None:
-            for name, value in (
-                ("num_examples", num_examples),
-                ("batch_size", batch_size),
+            trained_batch = (
+                None
+                if self.schedule.sampling == "full_batch"
+                else self.schedule.sample_size
+            )
+            for name, trained, value in (
+                ("num_examples", self.schedule.population, num_examples),
+                ("batch_size", trained_batch, batch_size),
             ):
-                if self.schedule[name] != value:
+                if trained != value:
                     raise ValueError(
-                        f"This classifier was trained with {name}="
-                        f"{self.schedule[name]}; fitting with {value} would change "
-                        "the mechanism of the steps already counted. Keep the data "
-                        "and batch size, or start a new classifier."
+                        f"This classifier was trained with {name}={trained}; "
+                        f"fitting with {value} would change the mechanism of the "
+                        "steps already counted. Keep the data and batch size, or "
+                        "start a new classifier."
                     )
             return steps_per_epoch
-        schedule = {
-            "num_examples": num_examples,
-            "batch_size": batch_size,
-            "planned_steps": epochs * steps_per_epoch,
-        }
         if self.delta is not None:
             validation.check_delta(self.delta, num_examples, "example")
-        z = self.noise_multiplier
-        if z is None:
-            z = privacy.calibrate_noise_multiplier(
-                self._mechanism(1.0, schedule),
-                target_epsilon=self.target_epsilon,
-                delta=self.delta,
-                steps=schedule["planned_steps"],
+        schedule = privacy.Schedule.examples(num_examples, batch_size)
+        planned = epochs * steps_per_epoch
+        calibrated = None
+        if self.noise_multiplier is None:
+            calibrated = self._method.noise_multiplier_of(
+                privacy.calibrate_noise_multiplier(
+                    self._method.mechanism(1.0, schedule, planned),
+                    target_epsilon=self.target_epsilon,
+                    delta=self.delta,
+                    steps=planned,
+                )
             )
-            if self.method == "dp-fc":  # Calibrated on the gradient's multiplier.
-                z *= math.sqrt(1 - self.budget_split)
-        schedule["noise_multiplier"] = float(z)
         with self._settings_unfrozen():
             self.schedule = schedule
+            self.planned_steps = planned
+            self.calibrated_noise_multiplier = (
+                None if calibrated is None else float(calibrated)
+            )
         return steps_per_epoch
+
+    def _check_budget(self, steps):
+        """Refuses a fit of `steps` steps that would take ε past the target.
+
+        The noise was calibrated so that the planned steps meet
+        `target_epsilon` exactly: more steps than planned in all would go
+        past it.
+        """
+        if self.target_epsilon is None:
+            return
+        taken = self._steps_taken()
+        if taken + steps <= self.planned_steps:
+            return
+        mechanism = self.privacy_mechanism()
+        spent = privacy.epsilon(mechanism, taken, self.delta) if taken else 0.0
+        after = privacy.epsilon(mechanism, taken + steps, self.delta)
+        left = self.planned_steps - taken
+        raise PrivacyBudgetExhaustedError(
+            f"This classifier has spent ε = {spent:.4g} of its "
+            f"target_epsilon={self.target_epsilon} (δ = {self.delta}) in {taken} "
+            f"of the {self.planned_steps} steps its noise was calibrated for; "
+            f"this fit's {steps} steps would take ε to {after:.4g}. Fit at most "
+            f"{left} more steps, or build a new classifier with a larger "
+            "target_epsilon (or a fixed noise_multiplier)."
+        )
 
     # ------------------------------------------------------- training --
 
@@ -486,47 +447,52 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                     "change each example's contribution or the sampling that "
                     "the privacy accounting assumes."
                 )
-        _check_single_device()
-        features, labels = _check_data(x, y, self.num_classes)
+        last_layer_inputs.check_single_device()
+        features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
         epochs = validation.check_positive_int(epochs, "epochs")
-        if self.method == "dp-ls" and epochs - initial_epoch != 1:
+        if self._method.single_step and epochs - initial_epoch != 1:
             raise ValueError(
-                "dp-ls solves in one step: fit it with epochs=1 (each further "
-                "fit would release the statistics again)."
+                f"{self.method} solves in one step: fit it with epochs=1 (each "
+                "further fit would release the statistics again)."
             )
-        if self.method != "dp-sgd" and (validation_data is not None or kwargs):
+        if not self._method.sampled and (validation_data is not None or kwargs):
             raise ValueError(
                 f"{self.method}.fit takes features, labels, epochs, verbose and "
                 f"callbacks; got {sorted(kwargs) or ['validation_data']}. "
                 "Evaluate with model.evaluate(features, labels) afterwards."
             )
         steps_per_epoch = self._plan(len(features), batch_size, epochs - initial_epoch)
+        self._check_budget(steps_per_epoch * (epochs - initial_epoch))
         if not self.built:
             self.build(features.shape)
         if not self.compiled:
             self.compile()
-        if self.seed is None:
-            gaussian_sum.reseed_from_entropy(self.noise_seed)
-        if self.method == "dp-sgd":
-            self._denominator = float(batch_size or len(features))
-            seed = None if self.seed is None else [self.seed, self._steps_taken()]
-            batches = self._batches(
-                features, labels, batch_size, steps_per_epoch,
-                epochs - initial_epoch, seed,
-            )  # fmt: skip
-            return super().fit(
-                batches,
-                epochs=epochs,
-                steps_per_epoch=steps_per_epoch,
-                verbose=verbose,
-                callbacks=callbacks,
-                validation_data=validation_data,
-                initial_epoch=initial_epoch,
-                shuffle=False,
-                **kwargs,
+        private_state.reseed([self.noise_seed], self.seed)
+        if not self._method.sampled:  # One host step per epoch.
+            return fit_loop(
+                self,
+                lambda: self._closed_form_step(features, labels),
+                epochs,
+                initial_epoch,
+                verbose,
+                callbacks,
             )
-        return self._fit_closed_form(
-            features, labels, epochs, initial_epoch, verbose, callbacks
+        self._denominator = float(batch_size or len(features))
+        seed = None if self.seed is None else [self.seed, self._steps_taken()]
+        batches = self._batches(
+            features, labels, batch_size, steps_per_epoch,
+            epochs - initial_epoch, seed,
+        )  # fmt: skip
+        return super().fit(
+            batches,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            verbose=verbose,
+            callbacks=callbacks,
+            validation_data=validation_data,
+            initial_epoch=initial_epoch,
+            shuffle=False,
+            **kwargs,
         )
 
     def _batches(self, features, labels, batch_size, steps, epochs, seed):
@@ -560,41 +526,21 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         return backends.current().train_step(self, args, self._dp_sgd_step)
 
     def _dp_sgd_step(self, data):
-        features, labels, mask = (
-            self._rows.gather(data) if self._rows.on_device else data
+        return self._method.train_step(
+            self, data, self.step_noise_multiplier, self._denominator
         )
-        features = ops.cast(features, "float32")
-        if self.clip_features is not None:
-            features = self.clip_features(features)
-        kernel, bias = self.head.kernel, self.head.bias
-        probs = ops.softmax(ops.matmul(features, kernel) + bias)
-        one_hot = ops.one_hot(ops.cast(labels, "int32"), self.num_classes)
-        mask = ops.cast(mask, "float32")[:, None]
-        residuals = (probs - one_hot) * mask
-        norms = dense_gradient_norms(features, residuals, use_bias=True)
-        scale = ops.minimum(1.0, self.clip_norm / ops.maximum(norms, 1e-30))
-        clipped = residuals * scale[:, None]
-        grad_kernel = ops.einsum("bd,bk->dk", features, clipped)
-        grad_bias = ops.sum(clipped, axis=0)
-        stddev = self.schedule["noise_multiplier"] * self.clip_norm
-        if stddev > 0:
-            # Fresh, independent draws for every coordinate and step, in one
-            # draw: the kernel's rows, then the bias.
-            noise = keras.random.normal(
-                (kernel.shape[0] + 1, self.num_classes),
-                stddev=stddev,
-                seed=self.noise_seed,
-            )
-            grad_kernel += noise[:-1]
-            grad_bias += noise[-1]
-        l2 = self.l2 or 0.0
-        grads = [
-            grad_kernel / self._denominator + l2 * kernel,
-            grad_bias / self._denominator,
-        ]
-        self.optimizer.apply(grads, [kernel, bias])
+
+    def _closed_form_step(self, features, labels):
+        if self.seed is None:
+            rng = np.random.default_rng(secrets.randbits(128))
+        else:
+            rng = np.random.default_rng([self.seed, self._steps_taken()])
+        self._method.step(
+            self, features, labels, rng, self.step_noise_multiplier,
+            self.planned_steps,
+        )  # fmt: skip
         self.private_steps.assign_add(1)
-        return {"private_steps": self.private_steps.value}
+        return {"private_steps": self._steps_taken()}
 
     @property
     def metrics(self):
@@ -621,113 +567,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "accuracy": self._accuracy_mean.result(),
         }
 
-    # -------------------------------------------- closed-form methods --
-
-    def _rng(self):
-        if self.seed is None:
-            return np.random.default_rng(secrets.randbits(128))
-        return np.random.default_rng([self.seed, self._steps_taken()])
-
-    def _ridge(self, second_order_std, num_examples, dim):
-        if self.l2 is not None:
-            return self.l2 * num_examples
-        return max(2.0 * second_order_std * math.sqrt(dim), 1e-6 * num_examples)
-
-    def _fit_closed_form(
-        self, features, labels, epochs, initial_epoch, verbose, callbacks
-    ):
-        callback_list = keras.callbacks.CallbackList(
-            callbacks,
-            add_history=True,
-            add_progbar=verbose != 0,
-            model=self,
-            verbose=1 if verbose == "auto" else verbose,
-            epochs=epochs,
-            steps=1,
-        )
-        self.stop_training = False
-        callback_list.on_train_begin()
-        logs = {}
-        for epoch in range(initial_epoch, epochs):
-            callback_list.on_epoch_begin(epoch)
-            callback_list.on_train_batch_begin(0)
-            self._closed_form_step(features, labels)
-            logs = {"private_steps": self._steps_taken()}
-            callback_list.on_train_batch_end(0, logs)
-            epoch_logs = dict(logs)
-            callback_list.on_epoch_end(epoch, epoch_logs)
-            logs = epoch_logs
-            if self.stop_training:
-                break
-        callback_list.on_train_end(logs)
-        return self.history
-
-    def _closed_form_step(self, features, labels):
-        rng = self._rng()
-        n, dim = features.shape
-        cx = self.feature_clip_norm
-        stds = {
-            name: std
-            for name, (std, _) in self._stds(
-                self.schedule["noise_multiplier"], self.schedule["planned_steps"]
-            ).items()
-        }
-        weights = np.asarray(keras.ops.convert_to_numpy(self.head.kernel), np.float64)
-        if self.method == "dp-ls":
-            gram = stats.gram(features, cx) + stats.symmetric_noise(
-                rng, dim, stds["Gram matrix"]
-            )
-            sums = stats.class_sums(features, labels, self.num_classes, cx)
-            sums += stats.gaussian_noise(
-                rng, sums.shape, stds["per-class feature sums"]
-            )
-            ridge = self._ridge(stds["Gram matrix"], n, dim)
-            new = stats.solve_ridge(stats.make_psd(gram), sums, ridge)
-            self.head.kernel.assign(new.astype("float32"))
-        else:
-            gradient, hessians = stats.logistic_statistics(
-                features, labels, weights, cx, hessians=self.method == "dp-newton"
-            )
-            gradient += stats.gaussian_noise(
-                rng, gradient.shape, stds["logistic gradient"]
-            )
-            if self.method == "dp-newton":
-                second_std = stds["per-class Hessians"]
-                hessians += stats.symmetric_noise(
-                    rng, dim, second_std, count=self.num_classes
-                )
-                curvature = stats.make_psd(hessians)
-            else:
-                second_std = stds["feature covariance"]
-                if not int(keras.ops.convert_to_numpy(self.covariance_released)):
-                    covariance = stats.gram(features, cx) + stats.symmetric_noise(
-                        rng, dim, second_std
-                    )
-                    self.covariance.assign(stats.make_psd(covariance).astype("float32"))
-                    self.covariance_released.assign(1)
-                # The Hessian blocks of a zero head are p(1 − p) X̃ᵀX̃ with
-                # p = 1/K: the released covariance stands in for all of them.
-                k = self.num_classes
-                shared = np.asarray(
-                    keras.ops.convert_to_numpy(self.covariance), np.float64
-                ) * ((1.0 / k) * (1.0 - 1.0 / k))
-                curvature = np.broadcast_to(shared, (k, dim, dim))
-            ridge = self._ridge(second_std, n, dim)
-            direction = np.stack(
-                [
-                    stats.solve_ridge(
-                        curvature[c], gradient[:, c] + ridge * weights[:, c], ridge
-                    )
-                    for c in range(self.num_classes)
-                ],
-                axis=1,
-            )
-            self.optimizer.apply(
-                [ops.convert_to_tensor(direction.astype("float32"))],
-                [self.head.kernel],
-            )
-        self.private_steps.assign_add(1)
-
     # ---------------------------------------------------------- saving --
 
     def get_config(self):
@@ -735,7 +574,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             **super().get_config(),
             "num_classes": self.num_classes,
             "method": self.method,
-            "clip_norm": self.clip_norm if self.method == "dp-sgd" else None,
+            "clip_norm": self.clip_norm if self._method.clips_gradients else None,
             "feature_clip_norm": self.feature_clip_norm,
             "noise_multiplier": self.noise_multiplier,
             "target_epsilon": self.target_epsilon,
@@ -744,103 +583,48 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "l2": self.l2,
             "budget_split": self.budget_split,
             "seed": None,  # Never saved: a loaded model draws fresh noise.
-            "schedule": self.schedule,
+            "schedule": None if self.schedule is None else self.schedule.get_config(),
+            "planned_steps": self.planned_steps,
+            "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
         }
 
 
-class _ScaledReleases(privacy.GaussianReleases):
-    """DP-FC's releases: calibration scales the one-off covariance too.
+def _restored_plan(schedule, planned_steps, calibrated, noise_multiplier):
+    """`(Schedule, planned_steps, calibrated z)` from a saved config.
 
-    Its share of the budget is fixed by `budget_split`, so the covariance
-    noise moves with the gradient noise (`GaussianReleases` keeps setup
-    releases fixed).
+    Reads configs saved before the `Schedule` too (a dict with
+    `num_examples`, `batch_size`, `planned_steps` and `noise_multiplier`).
     """
-
-    def with_noise_multiplier(self, noise_multiplier):
-        noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
-        scale = noise_multiplier / self.noise_multiplier
-        return type(self)(
-            releases=_scaled(self.releases, scale),
-            population=self.population,
-            unit=self.unit,
-            clip_norm=self.clip_norm,
-            setup=_scaled(self.setup, scale),
-        )
-
-
-def _scaled(releases, scale):
-    return tuple(
-        privacy.GaussianRelease(r.noise_std * scale, r.sensitivity, r.name)
-        for r in releases
-    )
-
-
-def _check_single_device():
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if (
-            tf.distribute.has_strategy()
-            and tf.distribute.get_strategy().num_replicas_in_sync > 1
-        ):
+    if schedule is None:
+        if planned_steps is not None or calibrated is not None:
             raise ValueError(
-                "LastLayerDPClassifier trains on one device (a linear head is "
-                "cheap); build and fit it outside the tf.distribute strategy scope."
+                "planned_steps and calibrated_noise_multiplier are set by the "
+                "first fit, with the schedule; build the classifier without them."
             )
-    if keras.distribution.distribution() is not None:
-        raise ValueError(
-            "LastLayerDPClassifier trains on one device; fit it with no "
-            "keras.distribution set."
+        return None, None, None
+    if isinstance(schedule, dict) and "num_examples" in schedule:  # Old format.
+        if planned_steps is not None or calibrated is not None:
+            raise ValueError(f"Unreadable saved schedule {schedule!r}.")
+        z = schedule["noise_multiplier"]
+        planned_steps = schedule["planned_steps"]
+        calibrated = None if noise_multiplier is not None else z
+        schedule = privacy.Schedule.examples(
+            schedule["num_examples"], schedule["batch_size"]
         )
-
-
-def _check_data(features, labels, num_classes):
-    """Features as finite float32 [N, d] and labels as int32 in [0, K)."""
-    if features is None or labels is None:
-        raise ValueError("fit takes features (x) and labels (y) as arrays.")
-    if not hasattr(features, "shape") or not hasattr(labels, "shape"):
+    schedule = privacy.Schedule.from_config(schedule)
+    if schedule.unit != "example" or schedule.users_per_client != 1:
         raise ValueError(
-            "LastLayerDPClassifier.fit takes NumPy arrays of features and labels "
-            f"(got {type(features).__name__}); compute them with "
-            "kdpemb.features.extract. A dataset would hide the sampling that the "
-            "accounting assumes."
+            f"LastLayerDPClassifier protects examples; got the schedule {schedule}."
         )
-    features = np.asarray(features)
-    labels = np.asarray(labels)
-    if features.ndim != 2:
+    planned_steps = validation.check_positive_int(planned_steps, "planned_steps")
+    if (calibrated is None) == (noise_multiplier is None):
         raise ValueError(
-            f"features must be [num_examples, dim], got shape {features.shape}; "
-            "pool or flatten the backbone's output."
+            "A saved classifier has either a noise_multiplier or a "
+            f"calibrated_noise_multiplier; got noise_multiplier={noise_multiplier!r}, "
+            f"calibrated_noise_multiplier={calibrated!r}."
         )
-    if not np.issubdtype(features.dtype, np.number) or np.issubdtype(
-        features.dtype, np.complexfloating
-    ):
-        raise ValueError(f"features must be real numbers, got dtype {features.dtype}.")
-    if len(features) == 0:
-        raise ValueError("features is empty: there is nothing to train on.")
-    finite = np.isfinite(features).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise ValueError(
-            f"{len(bad)} feature rows hold NaN or infinite values (first: row "
-            f"{bad[0]}); fix the backbone or drop those examples before training."
+    if calibrated is not None:
+        calibrated = validation.check_noise_multiplier(
+            calibrated, "calibrated_noise_multiplier"
         )
-    if labels.shape != (len(features),):
-        raise ValueError(
-            f"labels must have shape ({len(features)},) to match the features, got "
-            f"{labels.shape}."
-        )
-    if not np.issubdtype(labels.dtype, np.integer) and (
-        not np.issubdtype(labels.dtype, np.floating)
-        or np.any(labels != np.round(labels))
-    ):
-        raise ValueError(
-            f"labels must be integer class indices, got dtype {labels.dtype}."
-        )
-    if labels.min() < 0 or labels.max() >= num_classes:
-        bad = labels[(labels < 0) | (labels >= num_classes)][0]
-        raise ValueError(
-            f"label {bad} is out of range for num_classes={num_classes}: labels "
-            f"must be in [0, {num_classes})."
-        )
-    return features.astype(np.float32, copy=False), labels.astype(np.int32)
+    return schedule, planned_steps, calibrated

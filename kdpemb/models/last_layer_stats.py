@@ -2,7 +2,7 @@
 
 NumPy, float64, on the host: the statistics are sums over all examples
 (`X̃ᵀX̃`, per-class sums, the logistic gradient and per-class Hessians),
-each released once with its own Gaussian noise (DESIGN.md section 3).
+each released once with its own Gaussian noise.
 Features are first clipped to norm `C_x`; the sensitivities below are for
 adding or removing one example:
 
@@ -21,8 +21,8 @@ The gradient bound: one example adds `x (p − y)ᵀ`, whose Frobenius norm is
 included), mirrored: the upper triangle of `x xᵀ` has norm at most
 `‖x xᵀ‖_F = ‖x‖²`, so the sensitivity of the matrix carries over.
 
-Every call of a `noisy_*` function draws fresh noise from `rng`, one
-independent draw per coordinate, per class and per call.
+The noise is added by the solvers (`last_layer_solvers`) with
+`kdpemb.privacy.host_noise`, from each statistic's `GaussianRelease`.
 """
 
 import numpy as np
@@ -92,23 +92,6 @@ def logistic_statistics(features, labels, weights, clip_norm, hessians=True):
             for c in range(num_classes):
                 blocks[c] += (block * curvature[:, c : c + 1]).T @ block
     return gradient, blocks
-
-
-def symmetric_noise(rng, size, stddev, count=None):
-    """N(0, stddev²) on the upper triangle (diagonal included), mirrored.
-
-    `count` stacks that many independent matrices ([count, size, size]).
-    """
-    shape = (size, size) if count is None else (count, size, size)
-    upper = np.triu(rng.normal(0.0, stddev, shape))
-    return upper + np.swapaxes(np.triu(upper, 1), -1, -2)
-
-
-def gaussian_noise(rng, shape, stddev):
-    """N(0, stddev²), independent per coordinate (zeros when stddev is 0)."""
-    if stddev == 0:
-        return np.zeros(shape)
-    return rng.normal(0.0, stddev, shape)
 
 
 def make_psd(matrix, floor=0.0):

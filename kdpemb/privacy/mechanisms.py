@@ -104,9 +104,29 @@ class GaussianRelease:
         validation.check_noise_multiplier(self.noise_std, "noise_std")
         validation.check_positive(self.sensitivity, "sensitivity")
 
+    @classmethod
+    def from_noise_multiplier(cls, noise_multiplier, sensitivity, name=""):
+        """The release whose noise std is `noise_multiplier · sensitivity`.
+
+        The one place where a noise multiplier becomes a noise scale for a
+        release of a full-data statistic.
+
+        Example:
+
+        >>> GaussianRelease.from_noise_multiplier(4.0, 0.5, "gram").noise_std
+        2.0
+        """
+        noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
+        sensitivity = validation.check_positive(sensitivity, "sensitivity")
+        return cls(noise_multiplier * sensitivity, sensitivity, name)
+
     @property
     def noise_multiplier(self):
         return self.noise_std / self.sensitivity
+
+    def scaled(self, factor):
+        """The same release with `factor` times the noise multiplier."""
+        return type(self)(self.noise_std * factor, self.sensitivity, self.name)
 
     def event(self):
         return dpa.GaussianDpEvent(self.noise_multiplier)

@@ -20,12 +20,14 @@ from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget
 from kdpemb.data import poisson_batches
 from kdpemb.data.poisson_batches import PoissonBatches
+from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models import ReproducibleNoiseWarning, backends
 from kdpemb.models.last_layer import (
     ClipFeatures,
     LastLayerDPClassifier,
     dense_gradient_norms,
 )
+from kdpemb.privacy import host_noise
 from tests.models import last_layer_reference as ref
 
 pytestmark = pytest.mark.filterwarnings(
@@ -517,12 +519,8 @@ def noisy_closed_form(monkeypatch, method, features, labels, k, epochs, **settin
 
 
 def check_stds(model, method, z, cx, split, planned_steps):
-    """`_stds` and the mechanism against the documented rule, exactly."""
+    """The mechanism's releases against the documented rule, exactly."""
     expected = ref.expected_stds(method, z, cx, split, planned_steps)
-    got = model._stds(z, planned_steps)
-    assert set(got) == set(expected)
-    for name, (std, sensitivity) in expected.items():
-        assert got[name] == pytest.approx((std, sensitivity), rel=1e-12), name
     mechanism = model.privacy_mechanism()
     released = {r.name: (r.noise_std, r.sensitivity) for r in mechanism.releases}
     released_once = {r.name: (r.noise_std, r.sensitivity) for r in mechanism.setup}
@@ -746,12 +744,10 @@ def test_private_steps_count_every_step(method, batch_size, epochs, steps):
     )
     assert steps_of(model) == steps
     assert history.history["private_steps"][-1] == steps
-    assert model.schedule == {
-        "num_examples": 40,
-        "batch_size": batch_size,
-        "planned_steps": steps,
-        "noise_multiplier": 1.0,
-    }
+    assert model.schedule == privacy.Schedule.examples(40, batch_size)
+    assert model.planned_steps == steps
+    assert model.step_noise_multiplier == 1.0
+    assert model.calibrated_noise_multiplier is None
 
 
 PRIVACY_CASES = [
@@ -777,7 +773,7 @@ def test_privacy_budget_reports_the_epsilon_of_the_mechanism(
         callbacks=[budget],
     )  # fmt: skip
     steps = steps_of(model)
-    assert steps == model.schedule["planned_steps"]
+    assert steps == model.planned_steps
     expected = privacy.epsilon(model.privacy_mechanism(), steps, DELTA)
     assert budget.epsilon == pytest.approx(expected, rel=1e-9)
     assert len(history.history["epsilon"]) == epochs
@@ -803,8 +799,9 @@ def test_target_epsilon_is_met_by_the_planned_run(method, batch_size, epochs):
     assert model.schedule is None
     model.fit(features, labels, batch_size=batch_size, epochs=epochs, verbose=0)
     planned = (1 if batch_size is None else round(40 / batch_size)) * epochs
-    assert model.schedule["planned_steps"] == planned == steps_of(model)
-    z = model.schedule["noise_multiplier"]
+    assert model.planned_steps == planned == steps_of(model)
+    z = model.calibrated_noise_multiplier
+    assert model.step_noise_multiplier == z
     epsilon = privacy.epsilon(
         independent_mechanism(method, z, 40, batch_size, planned), planned, DELTA
     )
@@ -867,17 +864,101 @@ def test_a_saved_calibrated_classifier_keeps_its_noise_multiplier(tmp_path):
         3, "dp-newton", target_epsilon=0.5, delta=DELTA, seed=None,
         **private_settings("dp-newton"),
     )  # fmt: skip
-    model.fit(features, labels, epochs=2, verbose=0)
+    model.fit(features, labels, epochs=3, verbose=0, callbacks=[StopAfter(2)])
+    assert steps_of(model) == 2 and model.planned_steps == 3
     loaded = save_and_load(model, tmp_path)
     assert loaded.schedule == model.schedule and steps_of(loaded) == 2
+    assert loaded.calibrated_noise_multiplier == model.calibrated_noise_multiplier
+    assert loaded.target_epsilon == 0.5 and loaded.planned_steps == 3
     np.testing.assert_array_equal(kernel_of(loaded), kernel_of(model))
-    loaded.fit(features, labels, epochs=1, verbose=0)  # No new calibration.
-    assert loaded.schedule == model.schedule and steps_of(loaded) == 3
+    # The planned step not taken yet, with no new calibration.
+    loaded.fit(features, labels, epochs=1, verbose=0)
+    assert loaded.privacy_mechanism() == model.privacy_mechanism()
+    assert steps_of(loaded) == 3
     with pytest.raises(ValueError, match="num_examples"):
         loaded.fit(features[:-1], labels[:-1], verbose=0)
     assert loaded.privacy_statement(DELTA).epsilon == pytest.approx(
         privacy.epsilon(model.privacy_mechanism(), 3, DELTA), rel=1e-9
     )
+    assert loaded.privacy_statement().epsilon <= 0.5 * (1 + 1e-9)
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops a fit after `epochs` epochs (as early stopping would)."""
+
+    def __init__(self, epochs):
+        super().__init__()
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 >= self.epochs:
+            self.model.stop_training = True
+
+
+TARGET_CASES = [
+    ("dp-sgd", 10, 1),
+    ("dp-sgd", None, 2),
+    ("dp-ls", None, 1),
+    ("dp-newton", None, 2),
+    ("dp-fc", None, 2),
+]
+
+
+@pytest.mark.parametrize(("method", "batch_size", "epochs"), TARGET_CASES)
+def test_a_fit_past_the_target_epsilon_is_refused_before_any_step(
+    method, batch_size, epochs, tmp_path
+):
+    features, labels = make_data(n=40, dim=4, num_classes=3, seed=41)
+    target = 0.5  # Much noise keeps the PLD accounting fast.
+    model = make_model(
+        3, method, target_epsilon=target, delta=DELTA, seed=None,
+        **private_settings(method),
+    )  # fmt: skip
+    model.fit(features, labels, batch_size=batch_size, epochs=epochs, verbose=0)
+    planned = model.planned_steps
+    assert steps_of(model) == planned
+    spent = model.privacy_statement().epsilon
+    assert spent <= target * (1 + 1e-9)
+    loaded = save_and_load(model, tmp_path)
+    assert loaded.target_epsilon == target and loaded.planned_steps == planned
+    for fitted in (model, loaded):
+        weights = [ref.to_numpy(w) for w in fitted.weights]
+        with pytest.raises(PrivacyBudgetExhaustedError) as refusal:
+            fitted.fit(features, labels, batch_size=batch_size, epochs=1, verbose=0)
+        message = str(refusal.value)
+        assert f"target_epsilon={target}" in message
+        assert f"{spent:.4g}" in message  # ε so far.
+        assert "larger target_epsilon" in message  # The fix.
+        assert steps_of(fitted) == planned
+        for before, after in zip(weights, fitted.weights, strict=True):
+            np.testing.assert_array_equal(ref.to_numpy(after), before)
+        assert fitted.privacy_statement().epsilon == pytest.approx(spent, rel=1e-9)
+
+
+def test_a_classifier_with_a_fixed_noise_multiplier_may_fit_again():
+    # Without a target there is no budget to exceed: ε grows with the steps.
+    features, labels = make_data(n=40, dim=4, num_classes=3, seed=42)
+    model = make_model(3, "dp-ls", noise_multiplier=4.0, **private_settings("dp-ls"))
+    model.fit(features, labels, verbose=0)
+    model.fit(features, labels, verbose=0)
+    assert steps_of(model) == 2
+    assert model.privacy_statement(DELTA).epsilon == pytest.approx(
+        privacy.epsilon(model.privacy_mechanism(), 2, DELTA), rel=1e-9
+    )
+
+
+def test_a_config_saved_with_the_old_schedule_dict_is_read():
+    old = {
+        "num_examples": 40, "batch_size": 10, "planned_steps": 8,
+        "noise_multiplier": 1.3,
+    }  # fmt: skip
+    calibrated = LastLayerDPClassifier(3, target_epsilon=1.0, delta=DELTA, schedule=old)
+    assert calibrated.schedule == privacy.Schedule.examples(40, 10)
+    assert calibrated.planned_steps == 8
+    assert calibrated.calibrated_noise_multiplier == 1.3
+    fixed = LastLayerDPClassifier(3, noise_multiplier=1.3, schedule=old)
+    assert fixed.calibrated_noise_multiplier is None
+    assert fixed.privacy_mechanism() == calibrated.privacy_mechanism()
 
 
 def test_dp_fc_releases_the_covariance_once_across_fits_and_saving(
@@ -1006,11 +1087,11 @@ def data_cases():
         ("rank_1", features[:, 0], labels, r"\[num_examples, dim\]"),
         ("rank_3", features[:, :, None], labels, r"\[num_examples, dim\]"),
         ("complex", features.astype(complex), labels, "real numbers"),
-        ("label_too_big", features, np.where(labels == 0, 3, labels), "out of range"),
-        ("negative_label", features, np.where(labels == 0, -1, labels), "out of range"),
+        ("label_too_big", features, np.where(labels == 0, 3, labels), "< num_classes"),
+        ("negative_label", features, np.where(labels == 0, -1, labels), ">= 0"),
         ("labels_2d", features, labels[:, None], "labels must have shape"),
         ("labels_short", features, labels[:-1], "labels must have shape"),
-        ("float_labels", features, labels + 0.5, "integer class indices"),
+        ("float_labels", features, labels + 0.5, "whole numbers"),
         ("empty", np.zeros((0, 3), "float32"), np.zeros(0, "int32"), "empty"),
         ("lists", features.tolist(), labels.tolist(), "NumPy arrays"),
     ]
@@ -1117,20 +1198,55 @@ def test_settings_are_fixed_after_construction():
     features, labels = make_data(n=10, dim=3, num_classes=3, seed=34)
     model = make_model(3, "dp-newton", noise_multiplier=1.0, feature_clip_norm=2.0)
     model.fit(features, labels, verbose=0)
-    schedule = dict(model.schedule)
+    schedule = model.schedule
     for name, value in [
         ("noise_multiplier", 0.1),
         ("feature_clip_norm", 10.0),
         ("budget_split", 0.9),
         ("l2", 0.0),
-        ("schedule", {**schedule, "noise_multiplier": 0.1}),
+        ("schedule", privacy.Schedule.examples(10, 5)),
+        ("planned_steps", 100),
+        ("calibrated_noise_multiplier", 0.1),
     ]:
         with pytest.raises(AttributeError, match=name):
             setattr(model, name, value)
     assert model.noise_multiplier == 1.0 and model.schedule == schedule
+    assert model.planned_steps == 1
     sgd = make_model(3, noise_multiplier=1.0, clip_norm=0.5)
     with pytest.raises(AttributeError, match="clip_norm"):
         sgd.clip_norm = 5.0
+
+
+def test_a_random_head_draws_its_kernel_from_normal_one_over_d():
+    # As FedEmb's random heads: N(0, 1/d), not Glorot uniform.
+    dim, k = 400, 50
+    keras.utils.set_random_seed(3)
+    model = make_model(k, head_init="random", noise_multiplier=1.0)
+    model.build((None, dim))
+    ref.assert_normal(kernel_of(model), 1 / math.sqrt(dim))
+    assert not bias_of(model).any()
+    zeros = make_model(k, noise_multiplier=1.0)
+    zeros.build((None, dim))
+    assert not kernel_of(zeros).any()
+
+
+def test_host_noise_takes_its_scale_from_the_release_and_is_fresh_per_call():
+    release = privacy.GaussianRelease.from_noise_multiplier(1.5, 2.0, "sums")
+    assert release.noise_std == 3.0 and release.noise_multiplier == 1.5
+    rng = np.random.default_rng(7)
+    draws = [host_noise.gaussian_noise(release, (40, 30), rng) for _ in range(2)]
+    ref.assert_normal(np.stack(draws), 3.0)
+    ref.assert_uncorrelated(draws)  # Fresh per call.
+    ref.assert_uncorrelated(list(draws[0].T))  # Independent per class.
+    stack = host_noise.symmetric_noise(release, 30, rng, count=4)
+    np.testing.assert_array_equal(stack, np.swapaxes(stack, 1, 2))
+    triangles = [ref.upper_triangle(m) for m in stack]
+    ref.assert_normal(np.stack(triangles), 3.0)
+    ref.assert_uncorrelated(triangles)  # Independent per matrix of a stack.
+    with pytest.raises(TypeError, match="GaussianRelease"):
+        host_noise.gaussian_noise(3.0, (2,), rng)
+    with pytest.raises(TypeError, match="Generator"):
+        host_noise.gaussian_noise(release, (2,), 0)
 
 
 def test_a_fixed_seed_warns_and_none_does_not():

@@ -1,0 +1,147 @@
+"""DP-SGD on a softmax head, without per-example gradients.
+
+The per-example gradient of a dense layer with logits `z = x W + b` under
+softmax cross-entropy is `(x (p − y)ᵀ, p − y)`, so each example's exact
+gradient norm is `‖p − y‖ · (‖x‖² + 1)^½` (`dense_gradient_norms`) and
+the clipped sum over a batch is one matrix product of the features with
+the scaled residuals. The sum is kept as one `[d + 1, K]` tensor (the
+kernel's rows, then the bias), clipped by
+`kdpemb.privacy.gaussian_sum.clipped_sum_from_norms` and noised by
+`gaussian_sum.gaussian_noise` in a single draw per step.
+"""
+
+import keras
+from keras import ops
+
+from kdpemb.privacy import gaussian_sum
+
+
+def dense_gradient_norms(features, residuals, use_bias=True):
+    """Exact per-example L2 norms of a dense layer's gradient.
+
+    For logits `z = x W + b` and a loss with `∂ℓ/∂z = r`, example i's
+    gradient is `(x_i r_iᵀ, r_i)`, whose norm is
+    `‖r_i‖ · (‖x_i‖² + 1)^½` (without the 1 when there is no bias).
+
+    Args:
+        features: [B, d]. The layer's inputs.
+        residuals: [B, K]. `∂ℓ_i/∂z_i` (for softmax cross-entropy, p − y).
+        use_bias: bool.
+
+    Returns:
+        [B] norms, in the wider of the two inputs' float dtypes.
+
+    Example:
+
+    >>> import numpy as np
+    >>> norms = dense_gradient_norms(np.array([[3.0, 4.0]]),
+    ...                              np.array([[1.0, 0.0]]), use_bias=False)
+    >>> ops.convert_to_numpy(norms).tolist()
+    [5.0]
+    """
+    features, residuals = (
+        ops.convert_to_tensor(features),
+        ops.convert_to_tensor(residuals),
+    )
+    dtype = keras.backend.result_type(features.dtype, residuals.dtype, float)
+    features, residuals = ops.cast(features, dtype), ops.cast(residuals, dtype)
+    squared_x = ops.sum(ops.square(features), axis=-1)
+    if use_bias:
+        squared_x = squared_x + 1.0
+    return ops.sqrt(ops.sum(ops.square(residuals), axis=-1) * squared_x)
+
+
+def clipped_head_gradient(features, residuals, clip_norm, mask):
+    """The `ClippedSum` of the per-example gradients of a dense head with bias.
+
+    Its one tensor is `[d + 1, K]`: Σᵢ fᵢ xᵢ rᵢᵀ over the kernel's rows,
+    then Σᵢ fᵢ rᵢ for the bias, with fᵢ = min(1, C / ‖gᵢ‖) (0 where
+    `mask` is false).
+
+    Example:
+
+    >>> import numpy as np
+    >>> clipped = clipped_head_gradient(np.array([[3.0, 4.0]], "float32"),
+    ...                                 np.array([[1.0, 0.0]], "float32"),
+    ...                                 clip_norm=1.0, mask=np.array([True]))
+    >>> np.round(ops.convert_to_numpy(clipped.total[0]).astype("float64"), 4).tolist()
+    [[0.5883, 0.0], [0.7845, 0.0], [0.1961, 0.0]]
+    """
+    norms = dense_gradient_norms(features, residuals, use_bias=True)
+
+    def weighted_sum(factors):
+        # where() before the product: a row left out adds exactly 0.
+        scaled = ops.where(factors[:, None] > 0, residuals, 0.0) * factors[:, None]
+        kernel = ops.einsum("bd,bk->dk", features, scaled)
+        return [ops.concatenate([kernel, ops.sum(scaled, axis=0)[None]], axis=0)]
+
+    return gaussian_sum.clipped_sum_from_norms(norms, clip_norm, weighted_sum, mask)
+
+
+class DPSGDHead:
+    """DP-SGD's step and mechanism for `LastLayerDPClassifier(method="dp-sgd")`.
+
+    One step: the softmax residuals of the batch, the clipped sum of the
+    per-example gradients, N(0, (z C)²) noise once on the `[d + 1, K]`
+    sum, division by the expected batch size, `l2 · W` on the kernel, and
+    the model's optimizer. Counts the step in `model.private_steps`.
+
+    Example:
+
+    >>> head = DPSGDHead(clip_norm=1.0)
+    >>> from kdpemb.privacy import Schedule
+    >>> head.mechanism(1.1, Schedule.examples(60_000, 256), 10).clip_norm
+    1.0
+    """
+
+    name = "dp-sgd"
+    use_bias = True
+    clips_gradients = True  # Takes `clip_norm`.
+    needs_feature_clip_norm = False
+    sampled = True  # Poisson batches, run by Keras' fit.
+    single_step = False
+
+    def __init__(self, clip_norm):
+        self.clip_norm = clip_norm
+
+    @classmethod
+    def from_settings(cls, *, clip_norm, **settings):
+        """From the classifier's settings; only `clip_norm` matters."""
+        del settings
+        return cls(clip_norm)
+
+    def mechanism(self, noise_multiplier, schedule, planned_steps):
+        """The `Mechanism` of one step (`planned_steps` plays no part)."""
+        del planned_steps
+        return schedule.privacy_mechanism(noise_multiplier, clip_norm=self.clip_norm)
+
+    def build(self, model, dim):
+        """DP-SGD keeps no state beyond the head and the optimizer."""
+
+    def noise_multiplier_of(self, calibrated):
+        """The step's noise multiplier from the calibrated one: the same."""
+        return calibrated
+
+    def train_step(self, model, data, noise_multiplier, denominator):
+        """One private step on `data` (rows, or indices of `model`'s device rows)."""
+        features, labels, mask = (
+            model._rows.gather(data) if model._rows.on_device else data
+        )
+        features = ops.cast(features, "float32")
+        if model.clip_features is not None:
+            features = model.clip_features(features)
+        kernel, bias = model.head.kernel, model.head.bias
+        probs = ops.softmax(ops.matmul(features, kernel) + bias)
+        one_hot = ops.one_hot(ops.cast(labels, "int32"), model.num_classes)
+        clipped = clipped_head_gradient(
+            features, probs - one_hot, self.clip_norm, ops.cast(mask, "bool")
+        )
+        (noise,) = gaussian_sum.gaussian_noise(
+            clipped, noise_multiplier, model.noise_seed
+        )
+        total = clipped.total[0] + noise
+        l2 = model.l2 or 0.0
+        grads = [total[:-1] / denominator + l2 * kernel, total[-1] / denominator]
+        model.optimizer.apply(grads, [kernel, bias])
+        model.private_steps.assign_add(1)
+        return {"private_steps": model.private_steps.value}
