@@ -5,7 +5,8 @@ model (`tests/test_private_model_contract.py`), so that a new trainer is
 held to the same promises as the old ones:
 
 1. it implements the privacy protocol: a `private_steps` variable that
-   starts at 0, and a `privacy_mechanism()`;
+   starts at 0, and a `privacy_mechanism()` (which may ask for a first
+   `fit` when the schedule comes from the data);
 2. `fit` counts exactly one private step per `train_step`, and
    `PrivacyBudget` reports the ε that an independent accountant gives;
 3. the statement names the model's unit, steps and δ;
@@ -39,6 +40,7 @@ class ContractCase:
         steps_per_epoch: int. Private steps one epoch takes.
         unit: str. "example" or "user".
         delta: float. δ for the budget and the statement.
+        first_epochs: int. Epochs of the first fit (1 for a one-step method).
     """
 
     name: str
@@ -47,6 +49,7 @@ class ContractCase:
     steps_per_epoch: int
     unit: str
     delta: float
+    first_epochs: int = 2
 
 
 def weights(model):
@@ -64,18 +67,22 @@ def run_private_model_contract(case, tmp_path):
     model = case.build()
     # 1. The protocol.
     assert steps(model) == 0, case.name
-    assert isinstance(model.privacy_mechanism(), privacy.Mechanism)
+    try:
+        assert isinstance(model.privacy_mechanism(), privacy.Mechanism)
+    except ValueError as error:  # The schedule comes from the first fit.
+        assert "fit" in str(error), error
 
     # 2. One private step per train_step; ε as an independent accountant says.
     budget = PrivacyBudget(delta=case.delta, verbose=0)
-    history = case.fit(model, 2, [budget])
+    history = case.fit(model, case.first_epochs, [budget])
     taken = steps(model)
-    assert taken == 2 * case.steps_per_epoch, case.name
+    assert taken == case.first_epochs * case.steps_per_epoch, case.name
     mechanism = model.privacy_mechanism()
     assert mechanism.unit == case.unit
     expected = privacy.Accountant(mechanism).epsilon(case.delta, taken)
     assert history.history["epsilon"][-1] == pytest.approx(expected, rel=1e-3)
-    assert history.history["epsilon"][0] < history.history["epsilon"][-1]
+    assert len(history.history["epsilon"]) == case.first_epochs
+    assert history.history["epsilon"][0] <= history.history["epsilon"][-1]
 
     # 3. The statement.
     statement = privacy.privacy_statement(model, case.delta)

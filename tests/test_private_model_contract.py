@@ -50,7 +50,44 @@ def fedemb_case():
     return ContractCase("fedemb", build, fit, 2, "user", 1e-3)
 
 
-CASES = {"toy_dp_regressor": toy_case, "fedemb": fedemb_case}
+def last_layer_case(method):
+    import numpy as np
+
+    from kdpemb.models import LastLayerDPClassifier
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, 200)
+    features = (rng.normal(size=(200, 6)) + 2 * np.eye(3, 6)[labels]).astype("f4")
+    sampled = method == "dp-sgd"
+    clip = {"clip_norm": 1.0} if sampled else {"feature_clip_norm": 3.0}
+
+    def build():
+        model = LastLayerDPClassifier(3, method, noise_multiplier=2.0, **clip)
+        model.compile()
+        return model
+
+    def fit(model, epochs, callbacks):
+        return model.fit(
+            features, labels, batch_size=50 if sampled else None, epochs=epochs,
+            callbacks=callbacks, verbose=0,
+        )  # fmt: skip
+
+    steps_per_epoch = 4 if sampled else 1
+    first_epochs = 1 if method == "dp-ls" else 2
+    return ContractCase(
+        f"last_layer_{method}", build, fit, steps_per_epoch, "example", 1e-3,
+        first_epochs,
+    )  # fmt: skip
+
+
+CASES = {
+    "toy_dp_regressor": toy_case,
+    "fedemb": fedemb_case,
+    **{
+        f"last_layer_{method}": (lambda m=method: last_layer_case(m))
+        for method in ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")
+    },
+}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
