@@ -115,7 +115,7 @@ def main(argv=None):
         delta=delta,
     )
     model.compile(optimizer=keras.optimizers.Adam(3e-3))  # The server optimizer.
-    budget = PrivacyBudget(delta=delta, target_epsilon=target_epsilon, verbose=0)
+    budget = PrivacyBudget(target_epsilon=target_epsilon, verbose=0)  # model δ
     recall = RecallAtFAR(held_out, far=(1e-3, 1e-2))
     model.fit(
         clients,

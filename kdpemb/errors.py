@@ -14,6 +14,19 @@ True
 >>> warnings.resetwarnings()
 """
 
+__all__ = [
+    "DataDependentScheduleWarning",
+    "DatasetNotFoundError",
+    "NonFiniteFeaturesError",
+    "PrivacyBudgetExhaustedError",
+    "PrivacyWarning",
+    "ReproducibleNoiseWarning",
+    "ReproducibleSamplingWarning",
+    "RoundTruncationError",
+    "UnsupportedBackendError",
+    "UnsupportedLayerError",
+]
+
 
 class PrivacyWarning(UserWarning):
     """Something weakens or voids the privacy guarantee: read before release."""

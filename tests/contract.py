@@ -27,6 +27,7 @@ import pytest
 from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget
 from kdpemb.errors import PrivacyBudgetExhaustedError
+from kdpemb.privacy import protocol
 
 
 @dataclasses.dataclass
@@ -59,7 +60,7 @@ def weights(model):
 
 
 def steps(model):
-    return privacy.read_private_steps(model)
+    return protocol.read_private_steps(model)
 
 
 def run_private_model_contract(case, tmp_path):

@@ -42,6 +42,7 @@ def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
     ("module", "page"),
     [
         ("privacy", "privacy.md"),
+        ("errors", "privacy.md"),
         ("data", "data.md"),
         ("datasets", "data.md"),
         ("metrics", "evaluation.md"),

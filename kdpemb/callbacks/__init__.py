@@ -1,12 +1,8 @@
 """Keras callbacks of kdpemb. Importing this module imports Keras."""
 
-from kdpemb.callbacks.privacy_budget import PrivacyBudget, PrivacyBudgetExhaustedError
+from kdpemb.callbacks.privacy_budget import PrivacyBudget
 from kdpemb.callbacks.recall_at_far import RecallAtFAR
 from kdpemb.callbacks.rich_progress import RichProgress
+from kdpemb.errors import PrivacyBudgetExhaustedError  # noqa: F401 (see errors)
 
-__all__ = [
-    "PrivacyBudget",
-    "PrivacyBudgetExhaustedError",
-    "RecallAtFAR",
-    "RichProgress",
-]
+__all__ = ["PrivacyBudget", "RecallAtFAR", "RichProgress"]

@@ -73,7 +73,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     >>> budget = kdpemb.callbacks.PrivacyBudget(
     ...     delta=1e-3, target_epsilon=1.0, verbose=0)
     >>> history = model.fit(data, epochs=5, verbose=0, callbacks=[budget])
-    >>> budget.step_budget, kdpemb.privacy.read_private_steps(model)
+    >>> budget.step_budget, kdpemb.privacy.protocol.read_private_steps(model)
     (19, 19)
     >>> len(history.history["epsilon"]), history.history["epsilon"][-1] <= 1.0
     (2, True)

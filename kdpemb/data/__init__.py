@@ -5,25 +5,7 @@ and yields fixed-shape rounds for `model.fit`; `PoissonBatches` and
 `PoissonIndices` sample examples for example-level DP-SGD. See `docs/data.md`.
 """
 
-from kdpemb.data.assignment import assign_virtual_clients, user_keys
 from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices
-from kdpemb.data.round_size import max_clients_per_round, overflow_probability
-from kdpemb.data.virtual_clients import (
-    ClientPlan,
-    ReproducibleSamplingWarning,
-    RoundTruncationError,
-    VirtualClients,
-)
+from kdpemb.data.virtual_clients import VirtualClients
 
-__all__ = [
-    "ClientPlan",
-    "PoissonBatches",
-    "PoissonIndices",
-    "ReproducibleSamplingWarning",
-    "RoundTruncationError",
-    "VirtualClients",
-    "assign_virtual_clients",
-    "max_clients_per_round",
-    "overflow_probability",
-    "user_keys",
-]
+__all__ = ["PoissonBatches", "PoissonIndices", "VirtualClients"]

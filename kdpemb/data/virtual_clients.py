@@ -11,10 +11,9 @@ import keras
 import numpy as np
 
 from kdpemb import _validation as validation
-from kdpemb import privacy
 from kdpemb.data import assignment, round_size, sources
 from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
-from kdpemb.privacy import Schedule
+from kdpemb.privacy import Schedule, mechanisms
 
 _SAMPLINGS = ("poisson", "fixed")
 # Largest overflow probability of a Poisson round's default bound M_max. For
@@ -297,7 +296,7 @@ class VirtualClients(keras.utils.PyDataset):
     def _check_num_clients(self, value):
         k = self.users_per_client
         if value is None:
-            return privacy.num_virtual_clients(self.num_users, k)
+            return mechanisms.num_virtual_clients(self.num_users, k)
         value = validation.check_positive_int(value, "num_clients")
         if k == 1 and value != self.num_users:
             raise ValueError(
@@ -305,7 +304,7 @@ class VirtualClients(keras.utils.PyDataset):
                 f"their own virtual client, so num_clients is the number of "
                 f"users ({self.num_users}). Leave it None."
             )
-        low = privacy.num_virtual_clients(self.num_users, k)
+        low = mechanisms.num_virtual_clients(self.num_users, k)
         if not low <= value <= self.num_users:
             raise ValueError(
                 f"num_clients={value} must be between ceil(N / k) = {low} and "

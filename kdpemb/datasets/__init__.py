@@ -10,17 +10,13 @@ Every function returns a `UserImages` (or arrays for the MNIST loaders) that
 """
 
 from kdpemb.datasets.directory import from_directory
-from kdpemb.datasets.mnist_files import (
-    DatasetNotFoundError,
-    load_fashion_mnist,
-    load_mnist,
-)
+from kdpemb.datasets.mnist_files import load_fashion_mnist, load_mnist
 from kdpemb.datasets.simulate_users import simulate_users
 from kdpemb.datasets.synthetic_identities import SyntheticImages, synthetic_identities
 from kdpemb.datasets.user_images import UserImages
+from kdpemb.errors import DatasetNotFoundError  # noqa: F401 (see errors)
 
 __all__ = [
-    "DatasetNotFoundError",
     "SyntheticImages",
     "UserImages",
     "from_directory",

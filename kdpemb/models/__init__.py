@@ -1,6 +1,9 @@
 """Private training models (their DP `train_step`s), baselines and backbones."""
 
-from kdpemb.errors import ReproducibleNoiseWarning, UnsupportedLayerError
+from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
+    ReproducibleNoiseWarning,
+    UnsupportedLayerError,
+)
 from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
@@ -13,8 +16,6 @@ __all__ = [
     "ClipFeatures",
     "FedEmbModel",
     "LastLayerDPClassifier",
-    "ReproducibleNoiseWarning",
-    "UnsupportedLayerError",
     "check_backbone",
     "dense_gradient_norms",
     "small_cnn",

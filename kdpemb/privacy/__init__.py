@@ -34,20 +34,13 @@ from kdpemb.privacy.mechanisms import (
     dp_sgd,
     full_batch,
     gaussian_releases,
-    num_virtual_clients,
     tree_aggregation,
     virtual_clients,
     zcdp,
 )
-from kdpemb.privacy.protocol import (
-    PrivateModel,
-    check_private_model,
-    privacy_statement,
-    read_private_steps,
-)
+from kdpemb.privacy.protocol import PrivateModel, privacy_statement
 from kdpemb.privacy.schedule import Schedule
 from kdpemb.privacy.statement import PrivacyStatement
-from kdpemb.privacy.validation import check_delta
 
 __all__ = [
     "METHODS",
@@ -64,16 +57,12 @@ __all__ = [
     "TreeAggregation",
     "UnsupportedMechanismError",
     "calibrate_noise_multiplier",
-    "check_delta",
-    "check_private_model",
     "delta",
     "dp_sgd",
     "epsilon",
     "full_batch",
     "gaussian_releases",
-    "num_virtual_clients",
     "privacy_statement",
-    "read_private_steps",
     "tree_aggregation",
     "virtual_clients",
     "zcdp",

@@ -6,6 +6,7 @@ import pytest
 
 from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget, PrivacyBudgetExhaustedError
+from kdpemb.privacy import protocol
 from kdpemb.testing import ToyDPRegressor, toy_regression_data
 
 N, D, DELTA = 64, 3, 1e-3
@@ -20,7 +21,7 @@ def make_model(noise_multiplier=1.5, sampling_probability=0.1, **kwargs):
 
 
 def steps_of(model):
-    return privacy.read_private_steps(model)
+    return protocol.read_private_steps(model)
 
 
 def brute_force_budget(mechanism, target, delta=DELTA, accountant="pld"):
@@ -328,7 +329,7 @@ def test_delta_is_given_once_to_the_model():
     budget = kdpemb.callbacks.PrivacyBudget(verbose=0)
     with pytest.raises(ValueError, match=r"needs δ.*delta=") as error:
         model.fit(data, epochs=1, verbose=0, callbacks=[budget])
-    assert kdpemb.privacy.read_private_steps(model) == 0, error.value
+    assert kdpemb.privacy.protocol.read_private_steps(model) == 0, error.value
     model.delta = 1e-3  # The model's own δ, as kdpemb's models take it.
     history = model.fit(data, epochs=1, verbose=0, callbacks=[budget])
     assert budget.delta == 1e-3

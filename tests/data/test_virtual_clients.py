@@ -8,20 +8,15 @@ import pytest
 from scipy import stats
 
 from kdpemb import privacy
-from kdpemb.data import (
-    ReproducibleSamplingWarning,
-    RoundTruncationError,
-    VirtualClients,
-    assign_virtual_clients,
-    max_clients_per_round,
-    overflow_probability,
-    user_keys,
-)
+from kdpemb.data import VirtualClients
+from kdpemb.data.assignment import assign_virtual_clients, user_keys
+from kdpemb.data.round_size import max_clients_per_round, overflow_probability
 from kdpemb.datasets import UserImages
+from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
 from kdpemb.testing import RoundConsumer
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::kdpemb.data.ReproducibleSamplingWarning"
+    "ignore::kdpemb.errors.ReproducibleSamplingWarning"
 )
 
 

@@ -1,6 +1,6 @@
 """Float64 NumPy references for `LastLayerDPClassifier`'s tests.
 
-Written from the formulas in the class docstring and DESIGN.md section 3,
+Written from the formulas in the class docstring and docs/last_layer.md,
 without `kdpemb.models.last_layer_stats`: per-example softmax gradients
 (also by backend autodiff), full-batch and Poisson-batch DP-SGD steps,
 ridge least squares, Newton steps with the block-diagonal Hessian, the

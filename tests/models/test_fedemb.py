@@ -19,12 +19,12 @@ from kdpemb.callbacks import PrivacyBudget
 from kdpemb.data import VirtualClients
 from kdpemb.errors import DataDependentScheduleWarning
 from kdpemb.models import FedEmbModel, ReproducibleNoiseWarning, UnsupportedLayerError
-from kdpemb.privacy import Schedule
+from kdpemb.privacy import Schedule, protocol
 from tests.models import fedemb_reference as ref
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore::kdpemb.models.ReproducibleNoiseWarning"),
-    pytest.mark.filterwarnings("ignore::kdpemb.data.ReproducibleSamplingWarning"),
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning"),
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleSamplingWarning"),
 ]
 
 DELTA = 1e-3
@@ -413,7 +413,7 @@ def test_a_saved_model_keeps_counting_and_draws_fresh_noise(tmp_path):
         warnings.simplefilter("ignore", UserWarning)
         loaded = keras.saving.load_model(path)
 
-    assert privacy.read_private_steps(loaded) == steps
+    assert protocol.read_private_steps(loaded) == steps
     # The schedule taken from the rounds, and δ, are saved with the model.
     assert loaded.schedule == clients.schedule and loaded.delta == DELTA
     assert loaded.privacy_statement() == model.privacy_statement(DELTA)
@@ -432,7 +432,7 @@ def test_a_saved_model_keeps_counting_and_draws_fresh_noise(tmp_path):
     if getattr(loaded, "optimizer", None) is None:
         loaded.compile(optimizer=keras.optimizers.SGD(1.0, momentum=0.9))
     loaded.fit(clients, epochs=1, verbose=0)
-    assert privacy.read_private_steps(loaded) == 2 * steps
+    assert protocol.read_private_steps(loaded) == 2 * steps
     statement = loaded.privacy_statement(DELTA)
     assert statement.steps == 2 * steps
     assert statement.epsilon == pytest.approx(
@@ -470,7 +470,7 @@ def test_privacy_budget_reports_the_users_epsilon():
     budget = PrivacyBudget(DELTA, verbose=0)
     history = model.fit(clients, epochs=2, verbose=0, callbacks=[budget])
     steps = 2 * clients.rounds_per_epoch
-    assert privacy.read_private_steps(model) == steps
+    assert protocol.read_private_steps(model) == steps
     mechanism = model.privacy_mechanism()
     assert mechanism == clients.schedule.privacy_mechanism(4.0, clip_norm=0.5)
     expected = privacy.epsilon(mechanism, steps, DELTA)
@@ -516,7 +516,7 @@ def test_a_given_schedule_that_differs_from_the_rounds_is_refused(field, overrid
     model = private_model(schedule=make_schedule(**settings))
     with pytest.raises(ValueError, match=f"{field}: model"):
         model.fit(clients, epochs=1, verbose=0)
-    assert privacy.read_private_steps(model) == 0
+    assert protocol.read_private_steps(model) == 0
 
 
 def test_the_schedule_is_taken_once_from_the_first_rounds():
@@ -535,7 +535,7 @@ def test_the_schedule_is_taken_once_from_the_first_rounds():
     assert str(clients.schedule) in str(error.value)
     assert str(other.schedule) in str(error.value)
     assert model.schedule == clients.schedule
-    assert privacy.read_private_steps(model) == clients.rounds_per_epoch
+    assert protocol.read_private_steps(model) == clients.rounds_per_epoch
     with pytest.raises(AttributeError, match="set once"):
         model.schedule = other.schedule
 
@@ -545,7 +545,7 @@ def test_checks_that_need_the_schedule_run_at_the_first_fit_before_a_round():
     model = private_model(reconstruction_steps=2)  # Fine until S is known.
     with pytest.raises(ValueError, match="reconstruction_steps=2"):
         model.fit(clients, epochs=1, verbose=0)
-    assert model.schedule is None and privacy.read_private_steps(model) == 0
+    assert model.schedule is None and protocol.read_private_steps(model) == 0
     with pytest.raises(ValueError, match="reconstruction_steps=2"):
         private_model(reconstruction_steps=2, schedule=clients.schedule)
 
@@ -556,16 +556,16 @@ def test_a_fit_on_a_dataset_of_rounds_needs_the_schedule_given():
     for source in (clients.to_tf_dataset(), ref.Rounds([])):
         with pytest.raises(ValueError, match=r"FedEmbModel\(\.\.\., schedule="):
             model.fit(source, epochs=1, verbose=0)
-    assert model.schedule is None and privacy.read_private_steps(model) == 0
+    assert model.schedule is None and protocol.read_private_steps(model) == 0
     # A dataset of rounds with another number of local steps is refused.
     wrong = private_model(schedule=make_schedule(8, 1, local_steps=3))
     with pytest.raises(ValueError, match="local_steps=3"):
         wrong.fit(clients.to_tf_dataset(), epochs=1, verbose=0)
-    assert privacy.read_private_steps(wrong) == 0
+    assert protocol.read_private_steps(wrong) == 0
 
     given = private_model(schedule=clients.schedule)
     given.fit(clients.to_tf_dataset(), epochs=1, verbose=0, shuffle=False)
-    assert privacy.read_private_steps(given) == clients.rounds_per_epoch
+    assert protocol.read_private_steps(given) == clients.rounds_per_epoch
 
 
 def test_delta_is_given_once_to_the_model():
@@ -654,7 +654,7 @@ def test_validation_data_is_refused_before_any_round():
     model = private_model()
     with pytest.raises(ValueError, match="validation_data"):
         model.fit(clients, epochs=1, verbose=0, validation_data=clients)
-    assert privacy.read_private_steps(model) == 0
+    assert protocol.read_private_steps(model) == 0
 
 
 @pytest.mark.parametrize(

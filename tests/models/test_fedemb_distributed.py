@@ -1,4 +1,4 @@
-"""FedEmbModel rounds split across two devices (DESIGN.md sections 2 and 6).
+"""FedEmbModel rounds split across two devices: noise once per round.
 
 On TensorFlow the model runs under `tf.distribute.MirroredStrategy`, on
 JAX under `keras.distribution.DataParallel`, each over two CPU devices.

@@ -17,7 +17,7 @@ from kdpemb.models import backends, fedemb_round
 from tests.models import fedemb_reference as ref
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::kdpemb.data.ReproducibleSamplingWarning"
+    "ignore::kdpemb.errors.ReproducibleSamplingWarning"
 )
 
 EMBEDDING_DIM = 3

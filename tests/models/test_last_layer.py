@@ -27,11 +27,11 @@ from kdpemb.models.last_layer import (
     LastLayerDPClassifier,
     dense_gradient_norms,
 )
-from kdpemb.privacy import host_noise
+from kdpemb.privacy import host_noise, protocol
 from tests.models import last_layer_reference as ref
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::kdpemb.models.ReproducibleNoiseWarning"
+    "ignore::kdpemb.errors.ReproducibleNoiseWarning"
 )
 
 DELTA = 1e-3
@@ -64,7 +64,7 @@ def make_model(num_classes, method="dp-sgd", optimizer=None, **overrides):
 
 
 def steps_of(model):
-    return privacy.read_private_steps(model)
+    return protocol.read_private_steps(model)
 
 
 def kernel_of(model):

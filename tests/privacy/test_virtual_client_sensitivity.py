@@ -17,6 +17,7 @@ import pytest
 from scipy import stats
 
 from kdpemb import privacy
+from kdpemb.privacy import mechanisms
 
 SIGMA_GRID = np.linspace(-14.0, 14.0, 400_001)
 
@@ -44,7 +45,7 @@ def exact_delta(q, z, epsilon, relation):
 
 def reported_delta(users_per_client, q, z, epsilon):
     num_users = 10_000 * users_per_client
-    pool = privacy.num_virtual_clients(num_users, users_per_client)
+    pool = mechanisms.num_virtual_clients(num_users, users_per_client)
     mechanism = privacy.virtual_clients(
         z,
         clients_per_round=q * pool,
