@@ -325,9 +325,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         return protocol.privacy_statement(self, delta, accountant)
 
     def _plan(self, num_examples, batch_size, epochs):
-        """Fixes the schedule at the first fit; checks later fits against it.
+        """Plans the schedule at the first fit; checks later fits against it.
 
-        Returns the steps per epoch.
+        Returns the steps per epoch and, at the first fit, the plan
+        `(schedule, planned_steps, calibrated_noise_multiplier)` that
+        `_adopt_plan` fixes once the fit is accepted (None later).
         """
         if not self._method.sampled and batch_size is not None:
             raise ValueError(
@@ -361,7 +363,16 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                         "steps already counted. Keep the data and batch size, or "
                         "start a new classifier."
                     )
-            return steps_per_epoch
+            return steps_per_epoch, None
+        taken = self._steps_taken()
+        if taken:
+            raise ValueError(
+                f"This classifier has taken {taken} private steps but holds no "
+                "schedule: its weights were loaded (load_weights) into a new "
+                "classifier, which does not restore the schedule, the planned "
+                "steps or the calibrated noise that its ε depends on. Load the "
+                "whole model with keras.saving.load_model instead."
+            )
         if self.delta is not None:
             validation.check_delta(self.delta, num_examples, "example")
         schedule = privacy.Schedule.examples(num_examples, batch_size)
@@ -376,13 +387,17 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                     steps=planned,
                 )
             )
+        plan = (schedule, planned, None if calibrated is None else float(calibrated))
+        return steps_per_epoch, plan
+
+    def _adopt_plan(self, plan):
+        """Fixes the first fit's plan (set once, after the fit is accepted)."""
         with self._settings_unfrozen():
-            self.schedule = schedule
-            self.planned_steps = planned
-            self.calibrated_noise_multiplier = (
-                None if calibrated is None else float(calibrated)
-            )
-        return steps_per_epoch
+            (
+                self.schedule,
+                self.planned_steps,
+                self.calibrated_noise_multiplier,
+            ) = plan
 
     def _check_budget(self, steps):
         """Refuses a fit of `steps` steps that would take ε past the target.
@@ -450,6 +465,16 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         last_layer_inputs.check_single_device()
         features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
         epochs = validation.check_positive_int(epochs, "epochs")
+        if (
+            not isinstance(initial_epoch, int)
+            or isinstance(initial_epoch, bool)
+            or not 0 <= initial_epoch < epochs
+        ):
+            raise ValueError(
+                f"initial_epoch={initial_epoch!r} must be an int in [0, epochs="
+                f"{epochs}): the fit runs epochs - initial_epoch epochs, at "
+                "least one."
+            )
         if self._method.single_step and epochs - initial_epoch != 1:
             raise ValueError(
                 f"{self.method} solves in one step: fit it with epochs=1 (each "
@@ -461,12 +486,16 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 f"callbacks; got {sorted(kwargs) or ['validation_data']}. "
                 "Evaluate with model.evaluate(features, labels) afterwards."
             )
-        steps_per_epoch = self._plan(len(features), batch_size, epochs - initial_epoch)
-        self._check_budget(steps_per_epoch * (epochs - initial_epoch))
+        steps_per_epoch, plan = self._plan(
+            len(features), batch_size, epochs - initial_epoch
+        )
         if not self.built:
             self.build(features.shape)
         if not self.compiled:
             self.compile()
+        if plan is not None:
+            self._adopt_plan(plan)
+        self._check_budget(steps_per_epoch * (epochs - initial_epoch))
         private_state.reseed([self.noise_seed], self.seed)
         if not self._method.sampled:  # One host step per epoch.
             return fit_loop(
@@ -520,6 +549,13 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def _steps_taken(self):
         return int(keras.ops.convert_to_numpy(self.private_steps.value))
+
+    def train_on_batch(self, *args, **kwargs):
+        raise NotImplementedError(
+            "LastLayerDPClassifier trains only through fit: a batch you choose "
+            "is not a Poisson sample, and a step outside fit escapes the "
+            "planned schedule and the target ε."
+        )
 
     def train_step(self, *args):
         # TensorFlow calls train_step(data); JAX calls train_step(state, data).

@@ -1365,3 +1365,43 @@ def test_the_device_copy_of_the_training_rows_is_never_saved(tmp_path):
     weights = tmp_path / "head.weights.h5"
     model.save_weights(weights)
     assert weights.stat().st_size < features.nbytes // 10
+
+
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-newton"])
+def test_weights_loaded_into_a_new_classifier_cannot_restart_the_plan(method, tmp_path):
+    # load_weights restores private_steps but not the schedule, the plan or
+    # the calibrated noise: a fresh plan would account the old steps at the
+    # new noise and could go past the target (review finding).
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, 300)
+    features = rng.normal(size=(300, 4)).astype("float32")
+    sampled = method == "dp-sgd"
+    settings = dict(
+        target_epsilon=0.5, delta=1e-3,
+        **({"clip_norm": 1.0} if sampled else {"feature_clip_norm": 2.0}),
+    )  # fmt: skip
+    batch = 100 if sampled else None
+    model = LastLayerDPClassifier(3, method, **settings)
+    model.fit(features, labels, batch_size=batch, epochs=2, verbose=0)
+    path = str(tmp_path / "head.weights.h5")
+    model.save_weights(path)
+    fresh = LastLayerDPClassifier(3, method, **settings)
+    fresh.build((None, 4))
+    fresh.load_weights(path)
+    assert protocol.read_private_steps(fresh) == protocol.read_private_steps(model)
+    for epochs in (4, 2):  # A refused fit must not leave a plan behind.
+        with pytest.raises(ValueError, match="load_model"):
+            fresh.fit(features, labels, batch_size=batch, epochs=epochs, verbose=0)
+    assert fresh.schedule is None
+
+
+def test_initial_epoch_must_leave_at_least_one_epoch():
+    features = np.zeros((50, 3), "float32")
+    labels = np.arange(50) % 2
+    model = LastLayerDPClassifier(2, "dp-sgd", noise_multiplier=1.0)
+    for initial_epoch in (2, 3, -1):
+        with pytest.raises(ValueError, match="initial_epoch"):
+            model.fit(features, labels, epochs=2, initial_epoch=initial_epoch)
+    assert model.schedule is None
+    with pytest.raises(NotImplementedError, match="only through fit"):
+        model.train_on_batch(features, labels)
