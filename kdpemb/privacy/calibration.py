@@ -9,22 +9,27 @@ on the accountant's default grid of 1e-4 take seconds to minutes each.
 The search therefore runs on coarser grids h = 1e-4 · 2^k:
 
 - dp-accounting discretises pessimistically, and a grid that is a
-  multiple of a finer one gives an ε at least as large as the finer one
-  (the connect-the-dots distribution on the coarse grid dominates the one
-  on the fine grid; the tests check this on every schedule kind). So a
-  multiplier whose ε on grid 2^k · 1e-4 meets the target also meets it on
-  the default grid of 1e-4, and for the true ε.
+  multiple of a finer one gives nearly always an ε at least as large (the
+  connect-the-dots distribution on the coarse grid dominates the one on
+  the fine grid). Not always: the FFT round-off of a finer grid adds mass
+  to its tails, and beyond ε ≈ 745 dp-accounting returns grid values; we
+  measured a finer grid up to 4e-4 above a coarser one at δ >= 1e-9, and
+  more below δ = 1e-10. So a grid k > 0 is used as a bound with margins:
+  ε_k(z) at δ - max(1e-3 δ, 1e-13), plus one step h of that grid, must
+  meet the target; `tests/privacy/test_calibration.py` checks that this
+  bounds ε on the default grid. Below δ = 1e-10 only the default grid is
+  used.
 - The grid is only as coarse as the accuracy allows: the search stops on
-  a grid once ε there is within rtol/2 of the target, and accepts the
-  grid if ε on the next coarser grid differs by at most rtol/2 of the
-  target (the discretisation error shrinks with the grid); otherwise it
-  moves to a finer grid, down to 1e-4 itself.
+  a grid once the bound is within rtol/2 of the target, and accepts the
+  grid if the margins plus the grid's error (estimated by the next
+  coarser grid's ε minus this one's) stay within rtol/2 of the target;
+  otherwise it moves to a finer grid, down to 1e-4 itself.
 - The first grid scales with the target (a relative accuracy needs a grid
-  step proportional to ε), a scouting search on a 8x coarser grid lands
+  step proportional to ε), a scouting search on an 8x coarser grid lands
   near the answer for little, and the first candidate comes from the
   central limit theorem of Poisson-sampled Gaussians (Dong, Roth and
-  Su 2019), so the expensive evaluations are few and near the answer:
-  never at a multiplier far below it.
+  Su 2019). Steps towards less noise are at most a factor of 2, so the
+  expensive evaluations are few and never far below the answer.
 """
 
 import math
@@ -35,8 +40,9 @@ from kdpemb.privacy.mechanisms import Relation
 
 DEFAULT_INTERVAL = 1e-4  # The PLD accountant's default grid.
 # Coarse grids meet the target at δ - max(1e-3 δ, 1e-13): room for the
-# round-off of the default grid's FFTs, which adds mass to its tails.
-DELTA_SLACK, DELTA_FLOOR = 1e-3, 1e-13
+# round-off of the default grid's FFTs, which adds mass to its tails. Below
+# δ = 1e-10 that round-off can exceed the slack: the default grid only.
+DELTA_SLACK, DELTA_FLOOR, MIN_COARSE_DELTA = 1e-3, 1e-13, 1e-10
 MAX_GRID_LEVEL = 10  # The coarsest search grid: 2**10 · 1e-4 ≈ 0.1.
 SCOUT_LEVELS = 3  # The scouting grid is 2**3 times the first one.
 
@@ -191,7 +197,7 @@ def _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol):
     z = min(max(z, z_min), z_max)
     slope = None
     level = 0
-    if delta >= 10 * DELTA_FLOOR:  # Else no room below δ: the default grid only.
+    if delta >= MIN_COARSE_DELTA:
         level = _first_grid_level(target, rtol)
         scout = level + SCOUT_LEVELS
         try:
