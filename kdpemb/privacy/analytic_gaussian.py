@@ -18,11 +18,12 @@ answer is rounded in the safe direction: ε up, δ up, σ up.
 
 Example:
 
->>> round(epsilon_for_delta(1.0, 1e-5), 3)
-4.221
->>> delta_for_epsilon(1.0, 4.221) <= 1e-5
+>>> epsilon = epsilon_for_delta(1.0, 1e-5)
+>>> round(epsilon, 3)
+4.377
+>>> delta_for_epsilon(1.0, epsilon) <= 1e-5 < delta_for_epsilon(1.0, 4.377)
 True
->>> round(noise_for_epsilon(4.221, 1e-5), 3)
+>>> round(noise_for_epsilon(4.377, 1e-5), 3)
 1.0
 """
 
@@ -75,7 +76,7 @@ def delta_for_epsilon(noise, epsilon):
     Example:
 
     >>> round(delta_for_epsilon(2.0, 1.0), 4)
-    0.0495
+    0.0068
     """
     if noise == 0:
         return 1.0
@@ -101,7 +102,7 @@ def epsilon_for_delta(noise, delta):
     Example:
 
     >>> round(epsilon_for_delta(2.0, 1e-6), 4)
-    2.4873
+    2.2541
     """
     if noise == 0:
         return math.inf
@@ -133,7 +134,7 @@ def noise_for_epsilon(epsilon, delta):
     Example:
 
     >>> round(noise_for_epsilon(1.0, 1e-5), 4)
-    3.7305
+    3.7306
     """
     log_target = math.log(delta) - _LOG_SLACK
 

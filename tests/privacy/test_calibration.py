@@ -224,8 +224,8 @@ def test_a_tiny_delta_is_searched_on_the_default_grid(monkeypatch):
     """Below δ = 1e-10 the default grid's FFT round-off may exceed the coarse
     grids' δ slack (ε 4e-4 above the bound at δ = 1e-11 on one schedule)."""
     built = _spy_on_accountants(monkeypatch)
-    mechanism = privacy.dp_sgd(1.0, 10**10, 10**12)
-    z = privacy.calibrate_noise_multiplier(mechanism, 1.0, 1e-11, 50)
+    mechanism = privacy.dp_sgd(1.0, 10**9, 10**11)
+    z = privacy.calibrate_noise_multiplier(mechanism, 1.0, 1e-12, 50)
     assert {interval for _, interval in built} == {1e-4}
-    achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-11, 50)
+    achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-12, 50)
     assert 0.995 <= achieved <= 1.0
