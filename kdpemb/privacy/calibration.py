@@ -43,6 +43,7 @@ DEFAULT_INTERVAL = 1e-4  # The PLD accountant's default grid.
 # round-off of the default grid's FFTs, which adds mass to its tails. Below
 # δ = 1e-10 that round-off can exceed the slack: the default grid only.
 DELTA_SLACK, DELTA_FLOOR, MIN_COARSE_DELTA = 1e-3, 1e-13, 1e-10
+EXACT_RTOL = 1e-6  # The slack left below the target where ε is exact.
 MAX_GRID_LEVEL = 10  # The coarsest search grid: 2**10 · 1e-4 ≈ 0.1.
 SCOUT_LEVELS = 3  # The scouting grid is 2**3 times the first one.
 
@@ -144,7 +145,9 @@ def calibrate_noise_multiplier(
                 return epsilon_at_max
             return accountant_at(z).epsilon(delta, steps)
 
-        return _search(epsilon_at, target, rtol, z_min, z_max, 1.0)[0]
+        # An exact ε costs microseconds: waste (almost) none of the target.
+        window = min(rtol, EXACT_RTOL) if at_max.exact else rtol
+        return _search(epsilon_at, target, window, z_min, z_max, 1.0)[0]
     grids = _Grids(accountant_at, delta, steps, z_max, epsilon_at_max)
     return _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol)
 

@@ -192,7 +192,8 @@ def test_unsampled_releases_are_calibrated_on_the_exact_gaussian(target):
     z = privacy.calibrate_noise_multiplier(releases, target, 1e-6, 1)
     calibrated = releases.with_noise_multiplier(z)
     exact = dpa.get_epsilon_gaussian(calibrated.noise_multiplier, 1e-6)
-    assert (1 - 0.005) * target <= exact <= target * (1 + 1e-9)
+    # The exact ε is cheap: the search leaves only 1e-6 of the target unused.
+    assert (1 - 2e-6) * target <= exact <= target * (1 + 1e-9)
     assert privacy.Accountant(calibrated).epsilon(1e-6, 1) <= target
     # dp-accounting's PLD of the same event: pessimistic, so at or above.
     pld = (
