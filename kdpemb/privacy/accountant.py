@@ -3,7 +3,11 @@
 Two methods:
 - "pld" (default): privacy loss distributions (Koskela et al.; Doroshenko
   et al.), tight up to a discretisation that is rounded pessimistically,
-  so the ε reported is an upper bound.
+  so the ε reported is an upper bound. Where no step is sampled (full
+  batch, `GaussianReleases`) the whole run is one Gaussian mechanism,
+  whose privacy loss distribution is known exactly: ε and δ come from
+  Balle and Wang's analytic Gaussian mechanism (`analytic_gaussian`),
+  with no discretisation at all.
 - "rdp": Rényi DP (Mironov), fast and looser.
 
 The accountant caches what does not change between calls: the privacy
@@ -19,7 +23,7 @@ import dp_accounting as dpa
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from kdpemb.privacy import validation
+from kdpemb.privacy import analytic_gaussian, validation
 from kdpemb.privacy.mechanisms import Mechanism, Relation
 
 METHODS = ("pld", "rdp")
@@ -109,7 +113,8 @@ class Accountant:
         mechanism: `kdpemb.privacy.Mechanism`. What each step releases.
         method: str. "pld" (tight, default) or "rdp" (fast).
         value_discretization_interval: float. PLD resolution; smaller is
-            tighter and slower. Defaults to 1e-4.
+            tighter and slower. Defaults to 1e-4. Unused where the run is
+            one Gaussian (no sampled step), whose ε is exact.
         rdp_orders: sequence of float or None. RDP orders; defaults to
             dp-accounting's.
 
@@ -173,6 +178,11 @@ class Accountant:
         raise UnsupportedMechanismError(
             _unsupported_message(self.mechanism, self.method, detail)
         )
+
+    @property
+    def exact(self):
+        """True where ε and δ are exact: PLD of a run that is one Gaussian."""
+        return isinstance(self._impl, _PldComposer) and self._impl.exact
 
     def epsilon(self, delta, steps):
         """The ε of (ε, δ)-DP after `steps` private steps (an upper bound).
@@ -334,8 +344,21 @@ class _PldTerms:
             raise UnsupportedMechanismError(f"PLD cannot model {event}.")
 
 
+# Sensitivity of a Gaussian term per unit of clip norm, as dp-accounting's
+# PLD models it: replacing a unit moves the sum from -C to +C.
+_GAUSSIAN_SENSITIVITY = {
+    Relation.ADD_OR_REMOVE_ONE: 1.0,
+    Relation.REPLACE_ONE: 2.0,
+}
+
+
 class _PldComposer:
-    """Composes PLDs incrementally: ε at T steps reuses the result at T' < T."""
+    """Composes PLDs incrementally: ε at T steps reuses the result at T' < T.
+
+    A schedule without sampled terms is one Gaussian of noise multiplier
+    (Σ 1/z²)^(-1/2): its ε and δ are exact (`analytic_gaussian`), with the
+    sensitivity doubled under replace-one as in dp-accounting's PLD.
+    """
 
     def __init__(self, mechanism, value_discretization_interval):
         self._relation = mechanism.neighboring_relation
@@ -346,6 +369,11 @@ class _PldComposer:
         self._powers = {}  # (q, z, count) -> PLD of `count` steps
         self._last_steps = None  # the sampled part composed for this many steps
         self._last_sampled = None
+        self.exact = (
+            not self._setup.sampled
+            and not self._step.sampled
+            and self._relation in _GAUSSIAN_SENSITIVITY
+        )
 
     def _gaussian(self, noise_multiplier, sampling_prob=1.0):
         return pld_lib.from_gaussian_mechanism(
@@ -406,15 +434,31 @@ class _PldComposer:
     def _non_private(self, steps):
         return self._setup.non_private or (steps > 0 and self._step.non_private)
 
+    def _exact_noise(self, steps):
+        """σ/Δ of the single Gaussian the run amounts to (inf: no release)."""
+        inverse_square = (
+            self._setup.gaussian_inverse_square
+            + steps * self._step.gaussian_inverse_square
+        )
+        if inverse_square == 0:
+            return math.inf
+        return inverse_square**-0.5 / _GAUSSIAN_SENSITIVITY[self._relation]
+
     def epsilon(self, delta, steps):
         if self._non_private(steps):
             return math.inf
+        if self.exact:
+            return analytic_gaussian.epsilon_for_delta(self._exact_noise(steps), delta)
         pld = self._pld(steps)
         return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))
 
     def delta(self, epsilon, steps):
         if self._non_private(steps):
             return 1.0
+        if self.exact:
+            return analytic_gaussian.delta_for_epsilon(
+                self._exact_noise(steps), epsilon
+            )
         pld = self._pld(steps)
         return 0.0 if pld is None else float(pld.get_delta_for_epsilon(epsilon))
 

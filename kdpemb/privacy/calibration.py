@@ -1,13 +1,59 @@
-"""Noise calibration: the smallest noise multiplier that meets a target ε."""
+"""Noise calibration: the smallest noise multiplier that meets a target ε.
+
+How the PLD accountant is searched. Where the schedule is one Gaussian
+mechanism (full batch, `GaussianReleases`) its ε is exact and costs
+microseconds, so any search is fast. A Poisson-sampled schedule needs a
+privacy loss distribution (PLD) per candidate, whose cost grows with the
+width of its loss range over the grid step: small multipliers (large ε)
+on the accountant's default grid of 1e-4 take seconds to minutes each.
+The search therefore runs on coarser grids h = 1e-4 · 2^k:
+
+- dp-accounting discretises pessimistically, and a grid that is a
+  multiple of a finer one gives nearly always an ε at least as large (the
+  connect-the-dots distribution on the coarse grid dominates the one on
+  the fine grid). Not always: the FFT round-off of a finer grid adds mass
+  to its tails, and beyond ε ≈ 745 dp-accounting returns grid values; we
+  measured a finer grid up to 4e-4 above a coarser one at δ >= 1e-9, and
+  more below δ = 1e-10. So a grid k > 0 is used as a bound with margins:
+  ε_k(z) at δ - max(1e-3 δ, 1e-13), plus one step h of that grid, must
+  meet the target; `tests/privacy/test_calibration.py` checks that this
+  bounds ε on the default grid. Below δ = 1e-10 only the default grid is
+  used.
+- The grid is only as coarse as the accuracy allows: the search stops on
+  a grid once the bound is within rtol/2 of the target, and accepts the
+  grid if the margins plus the grid's error (estimated by the next
+  coarser grid's ε minus this one's) stay within rtol/2 of the target;
+  otherwise it moves to a finer grid, down to 1e-4 itself.
+- The first grid scales with the target (a relative accuracy needs a grid
+  step proportional to ε), a scouting search on an 8x coarser grid lands
+  near the answer for little, and the first candidate comes from the
+  central limit theorem of Poisson-sampled Gaussians (Dong, Roth and
+  Su 2019). Steps towards less noise are at most a factor of 2, so the
+  expensive evaluations are few and never far below the answer.
+"""
 
 import math
 
-from kdpemb.privacy import validation
-from kdpemb.privacy.accountant import Accountant, UnsupportedMechanismError
+from kdpemb.privacy import analytic_gaussian, validation
+from kdpemb.privacy.accountant import Accountant
+from kdpemb.privacy.mechanisms import Relation
+
+DEFAULT_INTERVAL = 1e-4  # The PLD accountant's default grid.
+# Coarse grids meet the target at δ - max(1e-3 δ, 1e-13): room for the
+# round-off of the default grid's FFTs, which adds mass to its tails. Below
+# δ = 1e-10 that round-off can exceed the slack: the default grid only.
+DELTA_SLACK, DELTA_FLOOR, MIN_COARSE_DELTA = 1e-3, 1e-13, 1e-10
+EXACT_RTOL = 1e-6  # The slack left below the target where ε is exact.
+MAX_GRID_LEVEL = 10  # The coarsest search grid: 2**10 · 1e-4 ≈ 0.1.
+SCOUT_LEVELS = 3  # The scouting grid is 2**3 times the first one.
 
 
 class CalibrationError(ValueError):
     """No noise multiplier in the allowed range meets the target."""
+
+
+class _Unreachable(Exception):
+    """The multiplier cap does not meet the target on this grid."""
 
 
 def calibrate_noise_multiplier(
@@ -23,11 +69,16 @@ def calibrate_noise_multiplier(
 ):
     """The smallest noise multiplier whose ε after `steps` is <= the target.
 
-    The search keeps a bracket [z_low, z_high] with ε(z_low) > target >=
-    ε(z_high) and narrows it by regula falsi on (log z, log ε), which is
-    nearly linear. It returns z_high once ε(z_high) >= (1 - rtol) * target,
-    so the returned multiplier always meets the target and wastes less
-    than `rtol` of it.
+    The search keeps the largest multiplier known to miss the target and
+    the smallest known to meet it and narrows them by regula falsi on
+    (log z, log ε), which is nearly linear. It returns a multiplier that
+    meets the target and wastes less than `rtol` of it. With the PLD
+    accountant the ε it meets is the one `Accountant(mechanism, "pld")`
+    reports (an upper bound on the true ε); Poisson-sampled schedules are
+    searched on coarser, still pessimistic, grids first (see the module
+    docstring), so the returned multiplier's ε on the default grid is at
+    most the target and, as far as the grid's accuracy estimate goes,
+    within `rtol` of it.
 
     Args:
         mechanism: `kdpemb.privacy.Mechanism`. The schedule; its own noise
@@ -69,12 +120,15 @@ def calibrate_noise_multiplier(
     if not 0 < rtol < 0.5:
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
 
-    def epsilon_at(z):
-        return Accountant(mechanism.with_noise_multiplier(z), accountant).epsilon(
-            delta, steps
+    def accountant_at(z, interval=DEFAULT_INTERVAL):
+        return Accountant(
+            mechanism.with_noise_multiplier(z),
+            accountant,
+            value_discretization_interval=interval,
         )
 
-    epsilon_at_max = epsilon_at(z_max)
+    at_max = accountant_at(z_max)
+    epsilon_at_max = at_max.epsilon(delta, steps)
     if epsilon_at_max > target:
         raise CalibrationError(
             f"target_epsilon={target:g} cannot be met for {steps} steps at "
@@ -83,83 +137,149 @@ def calibrate_noise_multiplier(
             "step, allow a larger δ (still below 1/population), or raise "
             "max_noise_multiplier."
         )
-    start = _starting_guess(mechanism, target, delta, steps, accountant, z_min, z_max)
-    low, high = _bracket(epsilon_at, target, start, z_min, z_max, epsilon_at_max)
-    if low is None:
-        return high[0]
-    return _regula_falsi(epsilon_at, target, low, high, rtol)
+
+    if accountant != "pld" or at_max.exact:
+
+        def epsilon_at(z):
+            if z == z_max:
+                return epsilon_at_max
+            return accountant_at(z).epsilon(delta, steps)
+
+        # An exact ε costs microseconds: waste (almost) none of the target.
+        window = min(rtol, EXACT_RTOL) if at_max.exact else rtol
+        return _search(epsilon_at, target, window, z_min, z_max, 1.0)[0]
+    grids = _Grids(accountant_at, delta, steps, z_max, epsilon_at_max)
+    return _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol)
 
 
-def _starting_guess(mechanism, target, delta, steps, accountant, z_min, z_max):
-    """Where to start: the (cheap) RDP calibration when PLD is asked for.
+class _Grids:
+    """ε of one candidate on the grid 2^level · 1e-4, and the bound it gives.
 
-    Small noise multipliers make wide privacy loss distributions that are
-    slow to compose, so the PLD search should start near its answer. RDP
-    is a looser bound, so its multiplier is usually at or a little above
-    PLD's; the bracketing below copes either way.
+    Keeps the last accountant, so that asking for another δ or the same
+    candidate again composes nothing new.
     """
-    if accountant == "pld":
+
+    def __init__(self, accountant_at, delta, steps, z_max, epsilon_at_max):
+        self._accountant_at = accountant_at
+        self._delta, self._steps = delta, steps
+        self._z_max, self._epsilon_at_max = z_max, epsilon_at_max
+        self._last = None  # (z, level, accountant)
+
+    def epsilon(self, z, level, delta=None):
+        delta = self._delta if delta is None else delta
+        if z == self._z_max and level == 0 and delta == self._delta:
+            return self._epsilon_at_max
+        if self._last is None or self._last[:2] != (z, level):
+            interval = DEFAULT_INTERVAL * 2**level
+            self._last = (z, level, self._accountant_at(z, interval))
+        return self._last[2].epsilon(delta, self._steps)
+
+    def bound(self, z, level):
+        """An upper bound on ε(z) on the default grid, from grid `level`."""
+        if level == 0:
+            return self.epsilon(z, 0)
+        slack_delta = self._delta - max(DELTA_SLACK * self._delta, DELTA_FLOOR)
+        return self.epsilon(z, level, slack_delta) + DEFAULT_INTERVAL * 2**level
+
+    def excess(self, z, level):
+        """How far bound(z, level) may lie above the default grid's ε(z).
+
+        Returns:
+            (margins, error): what `bound` adds to ε on this grid (the grid
+            step and the δ slack), and the grid's discretisation error,
+            estimated by the next coarser grid's excess over this one.
+        """
+        eps = self.epsilon(z, level)
+        margins = self.bound(z, level) - eps
+        return margins, max(self.epsilon(z, level + 1) - eps, 0.0)
+
+
+def _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol):
+    """The PLD search for sampled schedules, from coarse grids to fine ones."""
+    z = _clt_guess(mechanism, target, delta, steps) or 1.0
+    z = min(max(z, z_min), z_max)
+    slope = None
+    level = 0
+    if delta >= MIN_COARSE_DELTA:
+        level = _first_grid_level(target, rtol)
+        scout = level + SCOUT_LEVELS
         try:
-            return calibrate_noise_multiplier(
-                mechanism,
-                target,
-                delta,
-                steps,
-                accountant="rdp",
-                max_noise_multiplier=z_max,
-                min_noise_multiplier=z_min,
-                rtol=0.05,
+            z, _, slope = _search(
+                lambda z: grids.bound(z, scout), target, 0.05, z_min, z_max, z
             )
-        except (UnsupportedMechanismError, CalibrationError):
-            pass
-    return min(max(1.0, z_min), z_max)
-
-
-def _bracket(epsilon_at, target, start, z_min, z_max, epsilon_at_max):
-    """Returns ((z, ε) with ε > target, or None; (z, ε) with ε <= target).
-
-    Walks from `start` by secant steps on (log z, log ε), each at most a
-    factor of 2 and overshooting by 5% so that it crosses the target:
-    small multipliers are slow to account, so it avoids wide jumps down.
-    """
-    log_target = math.log(target)
-    z = start
-    eps = epsilon_at_max if z == z_max else epsilon_at(z)
-    previous = None
+        except _Unreachable:  # The coarse grid is too rough at the cap.
+            z = z_max
+    tolerance = rtol / 2 * target
     while True:
-        up = eps > target  # ε too large: more noise.
-        if previous is not None and (previous[1] > target) != up:
-            pair = sorted([previous, (z, eps)])
-            return pair[0], pair[1]
-        if up and z >= z_max:  # Cannot happen: ε(z_max) <= target is checked.
-            raise CalibrationError(f"ε({z_max:g}) = {eps:.4g} > {target:g}.")
-        if not up and z <= z_min:
-            return None, (z, eps)  # Even the smallest multiplier meets it.
-        step = math.log(1.1)
-        log_eps = _log_epsilon(eps)
-        if (
-            previous is not None
-            and math.isfinite(log_eps)
-            and math.isfinite(_log_epsilon(previous[1]))
-            and eps != previous[1]
-        ):
-            slope = (log_eps - _log_epsilon(previous[1])) / (
-                math.log(z) - math.log(previous[0])
+        try:
+            z, _, slope = _search(
+                lambda z, level=level: grids.bound(z, level),
+                target,
+                rtol if level == 0 else rtol / 2,
+                z_min,
+                z_max,
+                z,
+                slope,
             )
-            if slope < 0:
-                step = (
-                    min(
-                        max(abs((log_eps - log_target) / slope), 0.01),
-                        math.log(2.0),
-                    )
-                    * 1.05
-                )
-        previous = (z, eps)
-        z = min(z * math.exp(step), z_max) if up else max(z / math.exp(step), z_min)
-        eps = epsilon_at_max if z == z_max else epsilon_at(z)
+        except _Unreachable:  # Only the default grid is sure to meet it at z_max.
+            level, z = 0, z_max
+            continue
+        if level == 0 or z <= z_min:
+            return z
+        margins, error = grids.excess(z, level)
+        if margins + error <= tolerance:
+            return z
+        level = _finer_level(level, margins, error, tolerance)
 
 
-def _log_epsilon(eps):
+def _first_grid_level(target, rtol):
+    """log2(grid / 1e-4) for a first grid whose error is about rtol/2 · target.
+
+    From the MNIST DP-SGD schedule: a grid of about 5e-4 · ε^0.85 keeps
+    the PLD's discretisation error below 0.25% of ε from ε = 0.1 to 1000;
+    the error falls with the square of the grid, and the margin of one
+    grid step must stay below rtol/6 of ε. Other schedules are corrected
+    by the error check.
+    """
+    grid = 5e-4 * target**0.85 * math.sqrt(rtol / 0.005)
+    grid = min(grid, rtol * target / 6)
+    level = math.floor(math.log2(grid / DEFAULT_INTERVAL))
+    return min(max(0, level), MAX_GRID_LEVEL)
+
+
+def _finer_level(level, margins, error, tolerance):
+    """The coarsest finer grid expected to keep the excess within tolerance.
+
+    The grid step halves and the discretisation error falls about 4x per
+    level; the δ slack does not shrink.
+    """
+    grid = DEFAULT_INTERVAL * 2**level
+    slack = margins - grid
+    for finer in range(level - 1, 0, -1):
+        shrink = 2 ** (level - finer)
+        if grid / shrink + slack + error / shrink**2 <= tolerance:
+            return finer
+    return 0
+
+
+def _clt_guess(mechanism, target, delta, steps):
+    """The multiplier the central limit theorem of sampled Gaussians predicts.
+
+    T steps at sampling rate q and multiplier z are close to a Gaussian of
+    μ = q √(T (exp(Δ²/z²) - 1)) (Dong, Roth and Su 2019, Theorem 6), with
+    Δ = 1 under add/remove and 2 under replace-one; μ for the target is
+    the inverse of the exact Gaussian multiplier. Only a starting point:
+    None when the mechanism has no sampling rate.
+    """
+    q = getattr(mechanism, "sampling_probability", None)
+    if not q or q >= 1:
+        return None
+    sensitivity = 2.0 if mechanism.neighboring_relation == Relation.REPLACE_ONE else 1
+    mu = 1 / analytic_gaussian.noise_for_epsilon(target, delta)
+    return sensitivity / math.sqrt(math.log1p(mu**2 / (q**2 * steps)))
+
+
+def _log(eps):
     """log ε, with ε = 0 (an accountant's answer for very large noise) as -inf
     and a non-finite ε as +inf."""
     if not math.isfinite(eps):
@@ -167,36 +287,64 @@ def _log_epsilon(eps):
     return math.log(eps) if eps > 0 else -math.inf
 
 
-def _regula_falsi(epsilon_at, target, low, high, rtol, max_iterations=100):
-    """Illinois regula falsi on f(log z) = log ε - log target."""
-    log_target = math.log(target)
+def _search(epsilon_at, target, window, z_min, z_max, start, slope=None):
+    """The smallest z (up to `window`) with epsilon_at(z) <= target.
 
-    def f(eps):
-        return _log_epsilon(eps) - log_target
+    Walks from `start` by secant steps on (log z, log ε), aimed at the
+    middle of [(1 - window) · target, target] and at most a factor of 2
+    down (small multipliers are slow to account), until the target is
+    bracketed; then Illinois regula falsi.
 
-    (z_low, eps_low), (z_high, eps_high) = low, high
-    f_low, f_high = f(eps_low), f(eps_high)
-    last_side = 0
-    for _ in range(max_iterations):
-        if eps_high >= (1 - rtol) * target or z_high / z_low - 1 < 1e-9:
-            break
-        x_low, x_high = math.log(z_low), math.log(z_high)
-        if math.isfinite(f_low) and math.isfinite(f_high) and f_low != f_high:
-            x = x_high - f_high * (x_high - x_low) / (f_high - f_low)
-            margin = 0.01 * (x_high - x_low)
-            x = min(max(x, x_low + margin), x_high - margin)
-        else:
-            x = (x_low + x_high) / 2
-        z = math.exp(x)
+    Returns:
+        (z, ε, slope): ε = epsilon_at(z) is in [(1 - window) · target,
+        target], or z is `z_min` and ε <= target; slope is the last
+        d log ε / d log z seen.
+
+    Raises:
+        _Unreachable: if epsilon_at(z_max) > target.
+    """
+    aim = math.log(target * (1 - window / 2))
+    low = high = last = None  # (log z, log ε); low misses, high meets the target.
+    f_low = f_high = None  # Illinois: the secant's values at low and high.
+    side = 0
+    z = start
+    for _ in range(200):
         eps = epsilon_at(z)
-        if eps > target:
-            z_low, eps_low, f_low = z, eps, f(eps)
-            if last_side == -1:
-                f_high /= 2  # Illinois: avoid a stuck endpoint.
-            last_side = -1
+        point = (math.log(z), _log(eps))
+        if last is not None:
+            rise, run = point[1] - last[1], point[0] - last[0]
+            if run and math.isfinite(rise) and rise < 0:
+                slope = rise / run
+        last = point
+        if eps <= target:
+            if eps >= (1 - window) * target or z <= z_min:
+                return z, eps, slope
+            if high is None or point[0] < high[0]:
+                high, f_high = point, point[1] - aim
+                if side == 1 and f_low is not None:
+                    f_low /= 2
+                side = 1
         else:
-            z_high, eps_high, f_high = z, eps, f(eps)
-            if last_side == 1:
-                f_low /= 2
-            last_side = 1
-    return z_high
+            if z >= z_max:
+                raise _Unreachable(eps)
+            if low is None or point[0] > low[0]:
+                low, f_low = point, point[1] - aim
+                if side == -1 and f_high is not None:
+                    f_high /= 2
+                side = -1
+        if low is not None and high is not None:
+            if high[0] - low[0] < 1e-9:
+                return math.exp(high[0]), math.exp(high[1]), slope
+            x = (low[0] + high[0]) / 2
+            if math.isfinite(f_low) and math.isfinite(f_high) and f_low != f_high:
+                x = high[0] - f_high * (high[0] - low[0]) / (f_high - f_low)
+                margin = 0.01 * (high[0] - low[0])
+                x = min(max(x, low[0] + margin), high[0] - margin)
+        else:
+            step = math.log(2.0)
+            if math.isfinite(point[1]):
+                guess = -1.5 if slope is None else slope  # ε ∝ z^-1 to z^-2.
+                step = min(max(abs((point[1] - aim) / guess), 0.002), step)
+            x = point[0] + (step if eps > target else -step)
+        z = min(max(math.exp(x), z_min), z_max)
+    raise CalibrationError(f"The search for ε = {target:g} did not converge.")

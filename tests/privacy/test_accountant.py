@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import dp_accounting as dpa
@@ -257,3 +258,153 @@ def test_accountant_refuses_unknown_methods_and_non_mechanisms():
         privacy.Accountant(privacy.dp_sgd(1.0, 100, 10_000), "prv")
     with pytest.raises(TypeError, match="Mechanism"):
         privacy.Accountant(dpa.GaussianDpEvent(1.0))
+
+
+# One Gaussian: the exact (analytic) privacy loss -----------------------------
+
+ONE_GAUSSIAN = [
+    ("full_batch", privacy.full_batch(3.0, 10_000), 7),
+    ("full_batch_small_z", privacy.full_batch(0.4, 10_000), 3),
+    (
+        "releases_with_setup",
+        privacy.gaussian_releases(
+            [(4.0, 1.0), (6.0, 2.0)], num_examples=10_000, setup=[(20.0, 1.0)]
+        ),
+        5,
+    ),
+    (
+        "virtual_clients_full_batch_k4",
+        privacy.virtual_clients(
+            2.0, None, 40_000, users_per_client=4, sampling="full_batch"
+        ),
+        12,
+    ),
+]
+
+
+@pytest.mark.parametrize("delta", [1e-5, 1e-9])
+@pytest.mark.parametrize(
+    "mechanism, steps", [c[1:] for c in ONE_GAUSSIAN], ids=[c[0] for c in ONE_GAUSSIAN]
+)
+def test_one_gaussian_is_exact_and_within_dp_accountings_pessimistic_pld(
+    mechanism, steps, delta
+):
+    """The closed form is exact: at or just below dp-accounting's PLD bound."""
+    relation = mechanism.neighboring_relation
+    reference = dpa.pld.PLDAccountant(relation).compose(mechanism.event(steps))
+    pld = reference.get_epsilon(delta)
+    accountant = privacy.Accountant(mechanism)
+    assert accountant.exact
+    exact = accountant.epsilon(delta, steps)
+    assert pld * (1 - 1e-3) - 1e-4 <= exact <= pld * (1 + 1e-9)
+    # And δ at that ε agrees too (dp-accounting's δ is an upper bound).
+    assert accountant.delta(pld, steps) <= reference.get_delta(pld) * (1 + 1e-6)
+    assert accountant.delta(exact, steps) == pytest.approx(delta, rel=1e-6)
+
+
+@pytest.mark.parametrize("noise, sensitivity", [(0.3, 1.0), (1.0, 1.0), (5.0, 2.0)])
+@pytest.mark.parametrize("epsilon", [0.05, 0.5, 2.0, 8.0])
+def test_closed_form_delta_equals_the_integral_of_the_hockey_stick(
+    noise, sensitivity, epsilon
+):
+    """δ(ε) = ∫ max(0, p(x) - e^ε q(x)) dx for p = N(Δ, σ²), q = N(0, σ²)."""
+    from scipy import integrate, stats
+
+    from kdpemb.privacy import analytic_gaussian
+
+    def hockey_stick(x):
+        p = stats.norm.pdf(x, loc=sensitivity, scale=noise)
+        q = stats.norm.pdf(x, scale=noise)
+        return max(p - math.exp(epsilon) * q, 0.0)
+
+    # The integrand is positive where the privacy loss exceeds ε.
+    start = noise**2 * epsilon / sensitivity + sensitivity / 2
+    integral, _ = integrate.quad(
+        hockey_stick, start, start + 40 * noise, epsabs=0, epsrel=1e-10, limit=200
+    )
+    closed = analytic_gaussian.delta_for_epsilon(noise / sensitivity, epsilon)
+    assert closed == pytest.approx(integral, rel=1e-7)
+
+
+@pytest.mark.parametrize("z", [0.5, 2.0, 8.0])
+def test_replace_one_full_batch_is_the_gaussian_of_twice_the_sensitivity(z):
+    """Replacing one unit moves the clipped sum from -C to +C: Δ = 2C."""
+    from kdpemb.privacy import analytic_gaussian
+
+    k4 = privacy.virtual_clients(
+        z, None, 4_000, users_per_client=4, sampling="full_batch"
+    )
+    accountant = privacy.Accountant(k4)
+    assert accountant.exact
+    for epsilon in (0.5, 3.0):
+        assert accountant.delta(epsilon, 1) == pytest.approx(
+            analytic_gaussian.delta_for_epsilon(z / 2, epsilon), rel=1e-12
+        )
+        assert accountant.delta(epsilon, 1) > analytic_gaussian.delta_for_epsilon(
+            z, epsilon
+        )
+
+
+def test_the_closed_form_agrees_with_dp_accountings_own_analytic_gaussian():
+    from kdpemb.privacy import analytic_gaussian
+
+    for noise in (0.01, 0.1, 0.7, 3.0, 300.0):
+        for delta in (1e-3, 1e-6, 1e-12):
+            ours = analytic_gaussian.epsilon_for_delta(noise, delta)
+            theirs = dpa.get_epsilon_gaussian(noise, delta)
+            assert ours == pytest.approx(theirs, rel=1e-8, abs=1e-12)
+            # Rounded up: δ at our ε meets the target, and 1e-6 less does not.
+            assert analytic_gaussian.delta_for_epsilon(noise, ours) <= delta * (
+                1 + 1e-8
+            )
+            if ours > 0:
+                assert analytic_gaussian.delta_for_epsilon(noise, ours * 0.999999) > (
+                    delta
+                )
+    for epsilon in (0.1, 1.0, 30.0, 1000.0):
+        noise = analytic_gaussian.noise_for_epsilon(epsilon, 1e-6)
+        assert noise == pytest.approx(dpa.get_sigma_gaussian(epsilon, 1e-6), rel=1e-9)
+        assert analytic_gaussian.epsilon_for_delta(noise, 1e-6) <= epsilon * (1 + 1e-12)
+        assert analytic_gaussian.epsilon_for_delta(noise * 0.999999, 1e-6) > epsilon
+
+
+def test_log_ndtr_is_accurate_in_both_tails():
+    from scipy import special
+
+    from kdpemb.privacy import analytic_gaussian
+
+    for x in np.concatenate([np.linspace(-80, 8, 881), -np.logspace(1, 4, 31)]):
+        assert analytic_gaussian.log_ndtr(float(x)) == pytest.approx(
+            special.log_ndtr(x), rel=1e-12, abs=1e-300
+        )
+
+
+def test_sampled_schedules_never_get_the_closed_form(monkeypatch):
+    """Poisson steps (alone or after Gaussian releases) go through the PLD."""
+    from kdpemb.privacy import analytic_gaussian
+
+    def refuse(*args):
+        raise AssertionError("closed form used for a sampled schedule")
+
+    monkeypatch.setattr(analytic_gaussian, "epsilon_for_delta", refuse)
+    monkeypatch.setattr(analytic_gaussian, "delta_for_epsilon", refuse)
+    covariance = privacy.GaussianRelease(noise_std=10.0, sensitivity=1.0)
+    sampled = [
+        privacy.dp_sgd(0.8, 100, 10_000),
+        privacy.virtual_clients(1.0, 50, 20_000, users_per_client=2),
+        dataclasses.replace(privacy.dp_sgd(0.8, 100, 10_000), setup=(covariance,)),
+    ]
+    for mechanism in sampled:
+        accountant = privacy.Accountant(mechanism)
+        assert not accountant.exact
+        event = mechanism.event(40)
+        reference = dpa.pld.PLDAccountant(mechanism.neighboring_relation)
+        pld = reference.compose(event).get_epsilon(1e-6)
+        assert accountant.epsilon(1e-6, 40) == pytest.approx(pld, rel=1e-9)
+        assert accountant.delta(1.0, 40) == pytest.approx(
+            reference.get_delta(1.0), rel=1e-9
+        )
+    # The same patch breaks the unsampled case: it does use the closed form.
+    with pytest.raises(AssertionError, match="closed form"):
+        privacy.Accountant(privacy.full_batch(1.0, 1_000)).epsilon(1e-6, 3)
+    assert not privacy.Accountant(privacy.full_batch(1.0, 1_000), "rdp").exact

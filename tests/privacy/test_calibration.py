@@ -1,6 +1,8 @@
+import dp_accounting as dpa
 import pytest
 
 from kdpemb import privacy
+from kdpemb.privacy import calibration
 
 SCHEDULES = [
     ("dp_sgd", privacy.dp_sgd(1.0, 256, 60_000), 2_000, 1e-5, "pld"),
@@ -82,3 +84,149 @@ def test_a_tiny_target_that_the_accountant_rounds_to_zero_is_calibrated():
         z = privacy.calibrate_noise_multiplier(mechanism, target, 1e-6, 1)
         spent = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-6, 1)
         assert 0.9 * target <= spent <= target
+
+
+def _spy_on_accountants(monkeypatch):
+    """Records (noise multiplier, grid) of every accountant the search builds."""
+    built = []
+
+    class Spy(privacy.Accountant):
+        def __init__(self, mechanism, method="pld", **kwargs):
+            super().__init__(mechanism, method, **kwargs)
+            interval = kwargs.get("value_discretization_interval", 1e-4)
+            built.append((mechanism.noise_multiplier, interval))
+
+    monkeypatch.setattr(calibration, "Accountant", Spy)
+    return built
+
+
+SAMPLED = [
+    ("dp_sgd", privacy.dp_sgd(1.0, 256, 60_000), 1_000, 1e-5),
+    (
+        "virtual_clients_k4",
+        privacy.virtual_clients(1.0, 100, 40_000, users_per_client=4),
+        300,
+        1e-6,
+    ),
+]
+
+
+@pytest.mark.parametrize("target", [0.1, 2.0, 30.0])
+@pytest.mark.parametrize(
+    "mechanism, steps, delta", [s[1:] for s in SAMPLED], ids=[s[0] for s in SAMPLED]
+)
+def test_sampled_calibration_meets_the_target_on_the_default_grid(
+    mechanism, steps, delta, target, monkeypatch
+):
+    """Searched on coarser grids, checked here on the accountant's own grid."""
+    built = _spy_on_accountants(monkeypatch)
+    z = privacy.calibrate_noise_multiplier(mechanism, target, delta, steps)
+    achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(
+        delta, steps
+    )
+    assert (1 - 0.005) * target <= achieved <= target
+    # Never accounted far below the answer, where distributions are wide.
+    assert min(noise for noise, _ in built) >= z / 2.5
+    assert len(built) <= 20
+
+
+@pytest.mark.parametrize(
+    "mechanism, steps, delta", [s[1:] for s in SAMPLED], ids=[s[0] for s in SAMPLED]
+)
+def test_a_target_of_1000_is_met_without_accounting_absurdly_small_noise(
+    mechanism, steps, delta, monkeypatch
+):
+    built = _spy_on_accountants(monkeypatch)
+    z = privacy.calibrate_noise_multiplier(mechanism, 1000.0, delta, steps)
+    assert min(noise for noise, _ in built) >= z / 2.5
+    # The default grid is too slow here (minutes); a grid 10x finer than
+    # any the search used also puts ε at most at the target, and close.
+    finest = min(interval for _, interval in built if interval > 1e-4)
+    check = privacy.Accountant(
+        mechanism.with_noise_multiplier(z), value_discretization_interval=finest / 10
+    ).epsilon(delta, steps)
+    assert (1 - 0.005) * 1000 <= check <= 1000
+
+
+@pytest.mark.parametrize("level", [1, 3, 6, 9])
+@pytest.mark.parametrize(
+    "mechanism, steps, delta",
+    [
+        (privacy.dp_sgd(0.6, 256, 60_000), 500, 1e-5),
+        (privacy.dp_sgd(1.19, 285, 10_000), 620, 1e-9),
+        (privacy.virtual_clients(1.19, 285, 40_000, users_per_client=4), 620, 1e-9),
+        (privacy.virtual_clients(0.49, 3841, 40_000, users_per_client=4), 827, 1e-6),
+    ],
+    ids=["dp_sgd", "dp_sgd_small_delta", "k4_small_delta", "k4_epsilon_near_900"],
+)
+def test_a_coarse_grid_bounds_the_default_grid(mechanism, steps, delta, level):
+    """What the search relies on: ε on the default grid 1e-4 is at most ε on
+    the grid 2^level · 1e-4 at the slightly smaller δ, plus that grid step.
+
+    (Without the margins dp-accounting's grids are not quite nested: the
+    FFT round-off of a finer grid and the grid values it returns beyond
+    ε ≈ 745 put it up to a few 1e-4 above a coarser one.)
+    """
+    default = privacy.Accountant(mechanism).epsilon(delta, steps)
+    grids = calibration._Grids(
+        lambda z, interval: privacy.Accountant(
+            mechanism.with_noise_multiplier(z), value_discretization_interval=interval
+        ),
+        delta,
+        steps,
+        z_max=1e9,
+        epsilon_at_max=None,
+    )
+    z = mechanism.noise_multiplier
+    assert default <= grids.bound(z, level)
+    margins, error = grids.excess(z, level)
+    assert margins > 0 and error >= 0
+
+
+@pytest.mark.parametrize("target", [0.1, 10.0, 1000.0])
+def test_unsampled_releases_are_calibrated_on_the_exact_gaussian(target):
+    """DP-LS: two Gaussian releases; ε(z) in closed form, checked two ways."""
+    releases = privacy.gaussian_releases(
+        [(1.0, 1.0, "Gram matrix"), (1.0, 1.0, "class sums")], num_examples=50_000
+    )
+    z = privacy.calibrate_noise_multiplier(releases, target, 1e-6, 1)
+    calibrated = releases.with_noise_multiplier(z)
+    exact = dpa.get_epsilon_gaussian(calibrated.noise_multiplier, 1e-6)
+    # The exact ε is cheap: the search leaves only 1e-6 of the target unused.
+    assert (1 - 2e-6) * target <= exact <= target * (1 + 1e-9)
+    assert privacy.Accountant(calibrated).epsilon(1e-6, 1) <= target
+    # dp-accounting's PLD of the same event: pessimistic, so at or above.
+    pld = (
+        dpa.pld.PLDAccountant(value_discretization_interval=target * 1e-3)
+        .compose(calibrated.event(1))
+        .get_epsilon(1e-6)
+    )
+    assert exact <= pld <= exact * 1.01 + 1e-3
+
+
+@pytest.mark.parametrize(
+    "mechanism, steps, delta",
+    [
+        (privacy.dp_sgd(1.0, 256, 60_000), 500, 1e-5),
+        (privacy.full_batch(1.0, 10_000), 20, 1e-6),
+    ],
+    ids=["dp_sgd", "full_batch"],
+)
+def test_more_budget_never_asks_for_more_noise(mechanism, steps, delta):
+    targets = [0.1, 0.5, 2.0, 8.0, 40.0, 200.0]
+    noise = [
+        privacy.calibrate_noise_multiplier(mechanism, t, delta, steps) for t in targets
+    ]
+    assert noise == sorted(noise, reverse=True)
+    assert len(set(noise)) == len(noise)
+
+
+def test_a_tiny_delta_is_searched_on_the_default_grid(monkeypatch):
+    """Below δ = 1e-10 the default grid's FFT round-off may exceed the coarse
+    grids' δ slack (ε 4e-4 above the bound at δ = 1e-11 on one schedule)."""
+    built = _spy_on_accountants(monkeypatch)
+    mechanism = privacy.dp_sgd(1.0, 10**9, 10**11)
+    z = privacy.calibrate_noise_multiplier(mechanism, 1.0, 1e-12, 50)
+    assert {interval for _, interval in built} == {1e-4}
+    achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-12, 50)
+    assert 0.995 <= achieved <= 1.0
