@@ -40,7 +40,7 @@ def _time(fn, *args):
 
 def _cold_epsilon(mechanism, method, steps):
     """A fresh accountant (its one-step distribution included) and one ε."""
-    return privacy.Accountant(mechanism, method).epsilon(DELTA, steps)
+    return privacy.Accountant(mechanism, method).epsilon(steps, DELTA)
 
 
 def epsilon_timings(step_counts):
@@ -50,7 +50,7 @@ def epsilon_timings(step_counts):
         for method in privacy.METHODS:
             cold = _time(_cold_epsilon, mechanism, method, steps)
             warm_accountant = privacy.Accountant(mechanism, method)
-            warm_accountant.epsilon(DELTA, steps - 1_000)
+            warm_accountant.epsilon(steps - 1_000, DELTA)
             warm = _time(warm_accountant.epsilon, DELTA, steps)
             figures[f"epsilon() {method} cold, {steps:,} steps [s]"] = cold
             figures[f"epsilon() {method} +1,000 steps warm, at {steps:,} [s]"] = warm
@@ -195,7 +195,9 @@ def calibration_timings(targets, baseline_up_to):
     for name, (mechanism, steps, delta) in _calibration_schedules().items():
         for target in targets:
             start = time.perf_counter()
-            z = privacy.calibrate_noise_multiplier(mechanism, target, delta, steps)
+            z = privacy.calibrate_noise_multiplier(
+                mechanism, steps, delta, target_epsilon=target
+            )
             seconds = time.perf_counter() - start
             figures[f"calibrate {name}, ε={target:g} [s]"] = seconds
             figures[f"calibrate {name}, ε={target:g}: noise multiplier"] = z

@@ -63,7 +63,9 @@ def main():
     template = privacy.virtual_clients(
         1.0, clients_per_round=100, num_users=100_000, users_per_client=4
     )
-    noise = privacy.calibrate_noise_multiplier(template, 4.0, 1e-6, 2_000)
+    noise = privacy.calibrate_noise_multiplier(
+        template, 2_000, 1e-6, target_epsilon=4.0
+    )
     calibrated = privacy.PrivacyStatement.compute(
         template.with_noise_multiplier(noise), 2_000, 1e-6
     )

@@ -14,9 +14,10 @@ import argparse
 import json
 import sys
 
+from kdpemb.errors import CalibrationError, UnsupportedMechanismError
 from kdpemb.privacy import mechanisms
-from kdpemb.privacy.accountant import METHODS, Accountant, UnsupportedMechanismError
-from kdpemb.privacy.calibration import CalibrationError, calibrate_noise_multiplier
+from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant
+from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.statement import PrivacyStatement
 from kdpemb.version import __version__
 
@@ -82,7 +83,7 @@ def _add_schedule_arguments(parser):
     )
     parser.add_argument(
         "--accountant",
-        choices=METHODS,
+        choices=ACCOUNTANTS,
         default="pld",
         help="pld (tight, default) or rdp (fast)",
     )
@@ -192,7 +193,11 @@ def _run(args):
         ), {}
     template, steps = mechanism_from_args(args, 1.0)
     noise = calibrate_noise_multiplier(
-        template, args.target_epsilon, args.delta, steps, accountant=args.accountant
+        template,
+        steps,
+        args.delta,
+        target_epsilon=args.target_epsilon,
+        accountant=args.accountant,
     )
     statement = PrivacyStatement.compute(
         template.with_noise_multiplier(noise), steps, args.delta, args.accountant

@@ -15,6 +15,7 @@ True
 """
 
 __all__ = [
+    "CalibrationError",
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
     "NonFiniteFeaturesError",
@@ -25,6 +26,7 @@ __all__ = [
     "RoundTruncationError",
     "UnsupportedBackendError",
     "UnsupportedLayerError",
+    "UnsupportedMechanismError",
 ]
 
 
@@ -65,6 +67,14 @@ class NonFiniteFeaturesError(ValueError):
     def __init__(self, message, summary=""):
         super().__init__(message)
         self.summary = summary
+
+
+class CalibrationError(ValueError):
+    """No noise multiplier in the allowed range meets the target ε."""
+
+
+class UnsupportedMechanismError(ValueError):
+    """The chosen accountant cannot express this mechanism and relation."""
 
 
 class PrivacyBudgetExhaustedError(RuntimeError):

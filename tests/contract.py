@@ -80,7 +80,7 @@ def run_private_model_contract(case, tmp_path):
     assert taken == case.first_epochs * case.steps_per_epoch, case.name
     mechanism = model.privacy_mechanism()
     assert mechanism.unit == case.unit
-    expected = privacy.Accountant(mechanism).epsilon(case.delta, taken)
+    expected = privacy.Accountant(mechanism).epsilon(taken, case.delta)
     assert history.history["epsilon"][-1] == pytest.approx(expected, rel=1e-3)
     assert len(history.history["epsilon"]) == case.first_epochs
     assert history.history["epsilon"][0] <= history.history["epsilon"][-1]
@@ -113,7 +113,7 @@ def run_private_model_contract(case, tmp_path):
 
     # 6. Refusal past a target, before any step.
     epsilons = [
-        privacy.Accountant(mechanism).epsilon(case.delta, taken + extra)
+        privacy.Accountant(mechanism).epsilon(taken + extra, case.delta)
         for extra in (0, 1)
     ]
     target = (epsilons[0] + epsilons[1]) / 2  # Met now, not after one step.

@@ -7,7 +7,7 @@ import keras
 
 from kdpemb import _validation as validation
 from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.privacy.accountant import MAX_SEARCH_STEPS, METHODS, Accountant
+from kdpemb.privacy.accountant import ACCOUNTANTS, MAX_SEARCH_STEPS, Accountant
 from kdpemb.privacy.protocol import (
     check_private_model,
     model_delta,
@@ -95,9 +95,9 @@ class PrivacyBudget(keras.callbacks.Callback):
             if target_epsilon is None
             else validation.check_target_epsilon(target_epsilon)
         )
-        if accountant not in METHODS:
+        if accountant not in ACCOUNTANTS:
             raise ValueError(
-                f"accountant must be one of {METHODS}, got {accountant!r}."
+                f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}."
             )
         self.accountant = accountant
         self.value_discretization_interval = validation.check_positive(
@@ -174,7 +174,7 @@ class PrivacyBudget(keras.callbacks.Callback):
                 stacklevel=2,
             )
         self._steps = steps
-        self.epsilon = self._accountant.epsilon(self.delta, steps)
+        self.epsilon = self._accountant.epsilon(steps, self.delta)
         if logs is not None:
             logs["epsilon"] = self.epsilon
         if self.target_epsilon is not None and self.epsilon > self.target_epsilon:
@@ -213,7 +213,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         (`_safe_steps`), and going past them triggers a wider search.
         """
         budget = self._accountant.max_steps(
-            self.target_epsilon, self.delta, limit=limit
+            self.delta, target_epsilon=self.target_epsilon, limit=limit
         )
         if budget < (MAX_SEARCH_STEPS if limit is None else limit):
             self.step_budget = budget
@@ -231,7 +231,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         if self._within_budget(self._steps + self._execution_size()):
             return
         remaining = self.step_budget - self._steps
-        epsilon = self._accountant.epsilon(self.delta, self._steps)
+        epsilon = self._accountant.epsilon(self._steps, self.delta)
         if remaining > 0:
             hint = (
                 f" {remaining} step(s) remain, fewer than steps_per_execution="

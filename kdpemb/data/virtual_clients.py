@@ -5,6 +5,7 @@ import numbers
 import secrets
 import threading
 import warnings
+import weakref
 from typing import NamedTuple
 
 import keras
@@ -629,8 +630,10 @@ class VirtualClients(keras.utils.PyDataset):
 
         Each iteration is one epoch of rounds that no earlier pass (even an
         interrupted one) has served. Its cardinality is `rounds_per_epoch`.
-        A dataset carries no schedule: fit a `FedEmbModel` on it with
-        `FedEmbModel(..., schedule=clients.schedule)`.
+        `clients_of(dataset)` finds these clients again, so a `FedEmbModel`
+        fit on this very dataset checks (or takes) their schedule as for
+        the `VirtualClients` itself; a dataset derived from it (`.map`,
+        `.filter`, ...) needs `FedEmbModel(..., schedule=clients.schedule)`.
         """
         import tensorflow as tf
 
@@ -646,7 +649,22 @@ class VirtualClients(keras.utils.PyDataset):
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(self.rounds_per_epoch)
         )
-        return dataset.prefetch(self.max_queue_size)
+        dataset = dataset.prefetch(self.max_queue_size)
+        _DATASET_SOURCES[dataset] = self
+        return dataset
+
+
+# Datasets made by `to_tf_dataset`, to the clients they came from (weakly:
+# an entry goes with its dataset).
+_DATASET_SOURCES = weakref.WeakKeyDictionary()
+
+
+def clients_of(dataset):
+    """The `VirtualClients` whose `to_tf_dataset()` made `dataset`, or None."""
+    try:
+        return _DATASET_SOURCES.get(dataset)
+    except TypeError:  # Not weakly referenceable: not one of ours.
+        return None
 
 
 def _even_quotas(counts, total, rng):

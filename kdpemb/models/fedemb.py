@@ -335,6 +335,18 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def _adopt_schedule(self, schedule):
         """Sets the schedule (once), after the checks that need it."""
+        steps_taken = (
+            protocol.read_private_steps(self) if hasattr(self, "private_steps") else 0
+        )
+        if self._schedule is None and steps_taken:
+            raise ValueError(
+                f"This FedEmbModel has taken {steps_taken} "
+                "private steps but has no schedule (weights loaded into a model "
+                "built without one): the schedule of those steps cannot be "
+                "guessed from the data. Build it with FedEmbModel(..., "
+                "schedule=<the schedule of those steps>), or load the whole "
+                "model with keras.saving.load_model."
+            )
         if self._schedule is not None:
             if schedule != self._schedule:
                 raise ValueError(
@@ -424,6 +436,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         with `DataDependentScheduleWarning` when P is not a public count.
         """
         from kdpemb.data import VirtualClients
+        from kdpemb.data.virtual_clients import clients_of
 
         for name in ("validation_data", "validation_split"):
             if kwargs.get(name):
@@ -434,8 +447,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 )
         _check_strategy(self)
         _check_known_length(self, x, kwargs.get("steps_per_epoch"))
-        if isinstance(x, VirtualClients):
-            self._check_clients(x)
+        clients = x if isinstance(x, VirtualClients) else clients_of(x)
+        if clients is not None:
+            self._check_clients(clients)
         elif self._schedule is None:
             raise ValueError(
                 f"fit got {type(x).__name__}, which carries no schedule: a "
@@ -450,6 +464,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 _check_round_steps(steps, self._schedule.local_steps)
             _check_rows_split(rows)
             self._head_columns = None
+        self._reseed()
         schedule = self._schedule
         if not schedule.pool_is_public:
             warnings.warn(
@@ -462,7 +477,6 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 DataDependentScheduleWarning,
                 stacklevel=2,
             )
-        self._reseed()
         return super().fit(x, *args, **kwargs)
 
     def _check_clients(self, clients):

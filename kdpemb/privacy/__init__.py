@@ -16,14 +16,12 @@ Example:
 0.25
 """
 
-from kdpemb.privacy.accountant import (
-    METHODS,
-    Accountant,
+from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
+    CalibrationError,
     UnsupportedMechanismError,
-    delta,
-    epsilon,
 )
-from kdpemb.privacy.calibration import CalibrationError, calibrate_noise_multiplier
+from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant, delta, epsilon
+from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.mechanisms import (
     ZCDP,
     GaussianRelease,
@@ -43,10 +41,9 @@ from kdpemb.privacy.schedule import Schedule
 from kdpemb.privacy.statement import PrivacyStatement
 
 __all__ = [
-    "METHODS",
+    "ACCOUNTANTS",
     "ZCDP",
     "Accountant",
-    "CalibrationError",
     "GaussianRelease",
     "GaussianReleases",
     "Mechanism",
@@ -55,7 +52,6 @@ __all__ = [
     "SampledGaussian",
     "Schedule",
     "TreeAggregation",
-    "UnsupportedMechanismError",
     "calibrate_noise_multiplier",
     "delta",
     "dp_sgd",

@@ -23,15 +23,13 @@ import dp_accounting as dpa
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from kdpemb.privacy import analytic_gaussian, validation
+from kdpemb import _validation as validation
+from kdpemb.errors import UnsupportedMechanismError
+from kdpemb.privacy import analytic_gaussian
 from kdpemb.privacy.mechanisms import Mechanism, Relation
 
-METHODS = ("pld", "rdp")
+ACCOUNTANTS = ("pld", "rdp")
 MAX_SEARCH_STEPS = 2**31  # No training run takes two billion private steps.
-
-
-class UnsupportedMechanismError(ValueError):
-    """The chosen accountant cannot express this mechanism and relation."""
 
 
 def _for_rdp(event, relation):
@@ -100,10 +98,10 @@ def _unsupported_message(mechanism, method, detail):
     )
 
 
-def _check_method(method):
-    if method not in METHODS:
-        raise ValueError(f"accountant must be one of {METHODS}, got {method!r}.")
-    return method
+def _check_accountant(name):
+    if name not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}.")
+    return name
 
 
 class Accountant:
@@ -111,7 +109,8 @@ class Accountant:
 
     Args:
         mechanism: `kdpemb.privacy.Mechanism`. What each step releases.
-        method: str. "pld" (tight, default) or "rdp" (fast).
+        accountant: str. "pld" (tight, default) or "rdp" (fast), as the
+            `accountant=` argument of every other kdpemb function.
         value_discretization_interval: float. PLD resolution; smaller is
             tighter and slower. Defaults to 1e-4. Unused where the run is
             one Gaussian (no sampled step), whose ε is exact.
@@ -138,7 +137,7 @@ class Accountant:
     def __init__(
         self,
         mechanism,
-        method="pld",
+        accountant="pld",
         *,
         value_discretization_interval=1e-4,
         rdp_orders=None,
@@ -149,12 +148,12 @@ class Accountant:
                 f"kdpemb.privacy.dp_sgd and friends), got {type(mechanism)}."
             )
         self.mechanism = mechanism
-        self.method = _check_method(method)
+        self.name = _check_accountant(accountant)
         validation.check_positive(
             value_discretization_interval, "value_discretization_interval"
         )
         self._check_supported(rdp_orders, value_discretization_interval)
-        if method == "pld":
+        if self.name == "pld":
             self._impl = _PldComposer(mechanism, value_discretization_interval)
         else:
             self._impl = _RdpComposer(mechanism, rdp_orders)
@@ -163,7 +162,7 @@ class Accountant:
     def _check_supported(self, rdp_orders, value_discretization_interval):
         relation = self.mechanism.neighboring_relation
         event = self.mechanism.event(1)
-        if self.method == "pld":
+        if self.name == "pld":
             reference = dpa.pld.PLDAccountant(relation, value_discretization_interval)
         else:
             reference = dpa.rdp.RdpAccountant(rdp_orders, relation)
@@ -176,7 +175,7 @@ class Accountant:
         except dpa.UnsupportedEventError as error:
             detail = str(error)
         raise UnsupportedMechanismError(
-            _unsupported_message(self.mechanism, self.method, detail)
+            _unsupported_message(self.mechanism, self.name, detail)
         )
 
     @property
@@ -184,7 +183,7 @@ class Accountant:
         """True where ε and δ are exact: PLD of a run that is one Gaussian."""
         return isinstance(self._impl, _PldComposer) and self._impl.exact
 
-    def epsilon(self, delta, steps):
+    def epsilon(self, steps, delta):
         """The ε of (ε, δ)-DP after `steps` private steps (an upper bound).
 
         `steps` may be 0: the ε of the one-off releases alone (0 if none).
@@ -195,7 +194,7 @@ class Accountant:
         )
         return self._epsilon(delta, validation.check_steps(steps, minimum=0))
 
-    def delta(self, epsilon, steps):
+    def delta(self, steps, epsilon):
         """The δ of (ε, δ)-DP after `steps` private steps (an upper bound)."""
         epsilon = validation.check_finite_real(epsilon, "epsilon")
         if epsilon < 0:
@@ -209,12 +208,12 @@ class Accountant:
             self._epsilons[key] = self._impl.epsilon(delta, steps)
         return self._epsilons[key]
 
-    def max_steps(self, target_epsilon, delta, *, limit=None):
+    def max_steps(self, delta, *, target_epsilon, limit=None):
         """The largest step count whose ε is at most `target_epsilon`.
 
         Args:
-            target_epsilon: float. The budget.
             delta: float. The δ.
+            target_epsilon: float. The budget (keyword only).
             limit: int or None. Do not look beyond this many steps (the
                 planned length of training). None searches upward until ε
                 exceeds the target, up to `MAX_SEARCH_STEPS`.
@@ -474,10 +473,10 @@ def epsilon(mechanism, steps, delta, *, accountant="pld"):
     2.6
     """
     steps = validation.check_steps(steps)
-    return Accountant(mechanism, accountant).epsilon(delta, steps)
+    return Accountant(mechanism, accountant).epsilon(steps, delta)
 
 
 def delta(mechanism, steps, epsilon, *, accountant="pld"):
     """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper)."""
     steps = validation.check_steps(steps)
-    return Accountant(mechanism, accountant).delta(epsilon, steps)
+    return Accountant(mechanism, accountant).delta(steps, epsilon)

@@ -34,7 +34,9 @@ The search therefore runs on coarser grids h = 1e-4 · 2^k:
 
 import math
 
-from kdpemb.privacy import analytic_gaussian, validation
+from kdpemb import _validation as validation
+from kdpemb.errors import CalibrationError
+from kdpemb.privacy import analytic_gaussian
 from kdpemb.privacy.accountant import Accountant
 from kdpemb.privacy.mechanisms import Relation
 
@@ -48,20 +50,16 @@ MAX_GRID_LEVEL = 10  # The coarsest search grid: 2**10 · 1e-4 ≈ 0.1.
 SCOUT_LEVELS = 3  # The scouting grid is 2**3 times the first one.
 
 
-class CalibrationError(ValueError):
-    """No noise multiplier in the allowed range meets the target."""
-
-
 class _Unreachable(Exception):
     """The multiplier cap does not meet the target on this grid."""
 
 
 def calibrate_noise_multiplier(
     mechanism,
-    target_epsilon,
-    delta,
     steps,
+    delta,
     *,
+    target_epsilon,
     accountant="pld",
     max_noise_multiplier=1000.0,
     min_noise_multiplier=0.01,
@@ -83,9 +81,9 @@ def calibrate_noise_multiplier(
     Args:
         mechanism: `kdpemb.privacy.Mechanism`. The schedule; its own noise
             multiplier is ignored (see `Mechanism.with_noise_multiplier`).
-        target_epsilon: float. The ε to meet.
-        delta: float. The δ, below 1/population.
         steps: int. Planned private steps.
+        delta: float. The δ, below 1/population.
+        target_epsilon: float. The ε to meet (keyword only).
         accountant: str. "pld" (default) or "rdp".
         max_noise_multiplier: float. Largest multiplier considered.
         min_noise_multiplier: float. Smallest multiplier considered; if it
@@ -128,7 +126,7 @@ def calibrate_noise_multiplier(
         )
 
     at_max = accountant_at(z_max)
-    epsilon_at_max = at_max.epsilon(delta, steps)
+    epsilon_at_max = at_max.epsilon(steps, delta)
     if epsilon_at_max > target:
         raise CalibrationError(
             f"target_epsilon={target:g} cannot be met for {steps} steps at "
@@ -143,7 +141,7 @@ def calibrate_noise_multiplier(
         def epsilon_at(z):
             if z == z_max:
                 return epsilon_at_max
-            return accountant_at(z).epsilon(delta, steps)
+            return accountant_at(z).epsilon(steps, delta)
 
         # An exact ε costs microseconds: waste (almost) none of the target.
         window = min(rtol, EXACT_RTOL) if at_max.exact else rtol
@@ -172,7 +170,7 @@ class _Grids:
         if self._last is None or self._last[:2] != (z, level):
             interval = DEFAULT_INTERVAL * 2**level
             self._last = (z, level, self._accountant_at(z, interval))
-        return self._last[2].epsilon(delta, self._steps)
+        return self._last[2].epsilon(self._steps, delta)
 
     def bound(self, z, level):
         """An upper bound on ε(z) on the default grid, from grid `level`."""

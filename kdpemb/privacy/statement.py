@@ -94,14 +94,14 @@ class PrivacyStatement:
             accountant = Accountant(mechanism, accountant)
         steps = validation.check_steps(steps, minimum=0)
         return cls(
-            epsilon=accountant.epsilon(delta, steps),
+            epsilon=accountant.epsilon(steps, delta),
             delta=float(delta),
             unit=mechanism.unit,
             neighboring_relation=mechanism.relation_name,
             relation_description=mechanism.describe_relation(),
             sampling=mechanism.sampling,
             sampling_description=mechanism.describe_sampling(),
-            accountant=accountant.method,
+            accountant=accountant.name,
             steps=steps,
             noise_multiplier=mechanism.noise_multiplier,
             clip_norm=mechanism.clip_norm,

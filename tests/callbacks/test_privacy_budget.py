@@ -28,7 +28,7 @@ def brute_force_budget(mechanism, target, delta=DELTA, accountant="pld"):
     """The last step whose ε is within target, by scanning step by step."""
     fresh = privacy.Accountant(mechanism, accountant)
     steps = 0
-    while fresh.epsilon(delta, steps + 1) <= target:
+    while fresh.epsilon(steps + 1, delta) <= target:
         steps += 1
     return steps
 
@@ -42,7 +42,7 @@ def test_epsilon_is_logged_every_epoch_and_matches_the_accountant():
         callbacks=[PrivacyBudget(DELTA, verbose=0)],
     )
     expected = [
-        privacy.Accountant(model.privacy_mechanism()).epsilon(DELTA, steps)
+        privacy.Accountant(model.privacy_mechanism()).epsilon(steps, DELTA)
         for steps in (7, 14, 21)
     ]
     np.testing.assert_allclose(history.history["epsilon"], expected, rtol=1e-6)
@@ -95,7 +95,7 @@ def test_the_budget_holds_when_training_runs_longer_than_planned():
     model = ToyDPRegressor(N, D, 1.5, 0.1, seed=1)
     model.compile(optimizer="sgd", steps_per_execution=4)
     data = toy_regression_data(N, D, 1)
-    target = privacy.Accountant(model.privacy_mechanism()).epsilon(DELTA, 20)
+    target = privacy.Accountant(model.privacy_mechanism()).epsilon(20, DELTA)
     model.fit(
         endless(data.x, data.y),
         steps_per_epoch=10,
@@ -120,7 +120,7 @@ class RestoreStepCount(keras.callbacks.Callback):
 
 def test_the_budget_holds_when_a_later_callback_changes_the_count():
     model = make_model()
-    target = privacy.Accountant(model.privacy_mechanism()).epsilon(DELTA, 20)
+    target = privacy.Accountant(model.privacy_mechanism()).epsilon(20, DELTA)
     callback = PrivacyBudget(DELTA, target_epsilon=target, verbose=0)
     model.fit(
         toy_regression_data(N, D, 10),
@@ -140,7 +140,7 @@ def test_a_second_fit_continues_the_count_and_refuses_an_exhausted_budget():
     )
     accountant = privacy.Accountant(model.privacy_mechanism())
     assert steps_of(model) == 15
-    assert history.history["epsilon"] == [pytest.approx(accountant.epsilon(DELTA, 15))]
+    assert history.history["epsilon"] == [pytest.approx(accountant.epsilon(15, DELTA))]
 
     callback = PrivacyBudget(DELTA, target_epsilon=1.0, verbose=0)
     model.fit(data, epochs=100, verbose=0, callbacks=[callback])
@@ -171,7 +171,7 @@ def test_save_and_load_keep_the_private_step_count(tmp_path):
         data, epochs=1, verbose=0, callbacks=[PrivacyBudget(DELTA, verbose=0)]
     )
     assert steps_of(restored) == 12
-    expected = privacy.Accountant(restored.privacy_mechanism()).epsilon(DELTA, 12)
+    expected = privacy.Accountant(restored.privacy_mechanism()).epsilon(12, DELTA)
     assert history.history["epsilon"] == [pytest.approx(expected)]
 
     fresh = make_model()

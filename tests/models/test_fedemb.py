@@ -553,19 +553,52 @@ def test_checks_that_need_the_schedule_run_at_the_first_fit_before_a_round():
 def test_a_fit_on_a_dataset_of_rounds_needs_the_schedule_given():
     clients = tiny_clients()
     model = private_model()
-    for source in (clients.to_tf_dataset(), ref.Rounds([])):
+    derived = clients.to_tf_dataset().map(lambda round_: round_)
+    for source in (derived, ref.Rounds([])):
         with pytest.raises(ValueError, match=r"FedEmbModel\(\.\.\., schedule="):
             model.fit(source, epochs=1, verbose=0)
     assert model.schedule is None and protocol.read_private_steps(model) == 0
     # A dataset of rounds with another number of local steps is refused.
     wrong = private_model(schedule=make_schedule(8, 1, local_steps=3))
     with pytest.raises(ValueError, match="local_steps=3"):
-        wrong.fit(clients.to_tf_dataset(), epochs=1, verbose=0)
+        wrong.fit(derived, epochs=1, verbose=0)
     assert protocol.read_private_steps(wrong) == 0
 
     given = private_model(schedule=clients.schedule)
-    given.fit(clients.to_tf_dataset(), epochs=1, verbose=0, shuffle=False)
+    given.fit(derived, epochs=1, verbose=0, shuffle=False)
     assert protocol.read_private_steps(given) == clients.rounds_per_epoch
+
+
+def test_the_tf_dataset_of_the_rounds_is_checked_like_the_rounds():
+    # to_tf_dataset() remembers its clients: the model takes or checks
+    # their schedule as for the VirtualClients itself (review finding: a
+    # model of M = 1 accepted rounds of M = 6 and reported a sixth of ε).
+    clients = tiny_clients()
+    other = tiny_clients(clients_per_round=2)
+    assert other.schedule != clients.schedule
+    mismatched = private_model(schedule=other.schedule)
+    with pytest.raises(ValueError, match="another schedule"):
+        mismatched.fit(clients.to_tf_dataset(), epochs=1, verbose=0)
+    assert protocol.read_private_steps(mismatched) == 0
+    adopting = private_model()
+    adopting.fit(clients.to_tf_dataset(), epochs=1, verbose=0, shuffle=False)
+    assert adopting.schedule == clients.schedule
+
+
+def test_weights_with_steps_cannot_adopt_a_schedule(tmp_path):
+    # load_weights restores private_steps, not the schedule of those steps:
+    # adopting the next data's schedule would account them wrongly.
+    clients = tiny_clients()
+    model = private_model()
+    model.fit(clients, epochs=1, verbose=0)
+    path = str(tmp_path / "fedemb.weights.h5")
+    model.save_weights(path)
+    fresh = private_model()
+    fresh.load_weights(path)
+    assert protocol.read_private_steps(fresh) == clients.rounds_per_epoch
+    with pytest.raises(ValueError, match="no schedule"):
+        fresh.fit(tiny_clients(clients_per_round=2), epochs=1, verbose=0)
+    assert fresh.schedule is None
 
 
 def test_delta_is_given_once_to_the_model():

@@ -89,20 +89,20 @@ def test_accountants_agree_with_dp_accounting_on_the_same_event(
 def test_incremental_composition_equals_a_fresh_computation():
     mechanism = privacy.dp_sgd(1.0, 128, 50_000)
     incremental = privacy.Accountant(mechanism)
-    values = [incremental.epsilon(1e-6, steps) for steps in (100, 350, 351, 1200)]
+    values = [incremental.epsilon(steps, 1e-6) for steps in (100, 350, 351, 1200)]
     fresh = [
-        privacy.Accountant(mechanism).epsilon(1e-6, s) for s in (100, 350, 351, 1200)
+        privacy.Accountant(mechanism).epsilon(s, 1e-6) for s in (100, 350, 351, 1200)
     ]
     np.testing.assert_allclose(values, fresh, rtol=1e-6)
     assert values == sorted(values)
     # Going back to fewer steps recomputes (the cache only extends forward).
-    assert incremental.epsilon(1e-6, 100) == values[0]
-    assert privacy.Accountant(mechanism).epsilon(1e-6, 200) == pytest.approx(
-        incremental.epsilon(1e-6, 200), rel=1e-6
+    assert incremental.epsilon(100, 1e-6) == values[0]
+    assert privacy.Accountant(mechanism).epsilon(200, 1e-6) == pytest.approx(
+        incremental.epsilon(200, 1e-6), rel=1e-6
     )
 
 
-@pytest.mark.parametrize("method", privacy.METHODS)
+@pytest.mark.parametrize("method", privacy.ACCOUNTANTS)
 def test_epsilon_grows_with_steps_and_shrinks_with_noise(method):
     def eps(z, steps):
         return privacy.epsilon(
@@ -113,25 +113,25 @@ def test_epsilon_grows_with_steps_and_shrinks_with_noise(method):
     assert eps(2.0, 100) < eps(1.0, 100) < eps(0.7, 100)
 
 
-@pytest.mark.parametrize("method", privacy.METHODS)
+@pytest.mark.parametrize("method", privacy.ACCOUNTANTS)
 def test_delta_and_epsilon_are_inverse(method):
     mechanism = privacy.dp_sgd(1.1, 256, MNIST)
     accountant = privacy.Accountant(mechanism, method)
-    epsilon = accountant.epsilon(1e-6, 2000)
-    assert accountant.delta(epsilon, 2000) == pytest.approx(1e-6, rel=0.02)
+    epsilon = accountant.epsilon(2000, 1e-6)
+    assert accountant.delta(2000, epsilon) == pytest.approx(1e-6, rel=0.02)
     assert (
-        accountant.delta(epsilon * 1.2, 2000)
+        accountant.delta(2000, epsilon * 1.2)
         < 1e-6
-        < accountant.delta(epsilon / 1.2, 2000)
+        < accountant.delta(2000, epsilon / 1.2)
     )
 
 
-@pytest.mark.parametrize("method", privacy.METHODS)
+@pytest.mark.parametrize("method", privacy.ACCOUNTANTS)
 def test_zero_noise_gives_no_guarantee(method):
     mechanism = privacy.dp_sgd(0.0, 64, 8_000)
     accountant = privacy.Accountant(mechanism, method)
-    assert accountant.epsilon(1e-5, 1) == math.inf
-    assert accountant.delta(100.0, 1) == 1.0
+    assert accountant.epsilon(1, 1e-5) == math.inf
+    assert accountant.delta(1, 100.0) == 1.0
 
 
 def test_setup_releases_count_before_the_first_step():
@@ -139,13 +139,13 @@ def test_setup_releases_count_before_the_first_step():
     plain = privacy.full_batch(5.0, 10_000)
     with_setup = privacy.full_batch(5.0, 10_000, setup=(covariance,))
     accountant = privacy.Accountant(with_setup)
-    assert privacy.Accountant(plain).epsilon(1e-6, 0) == 0.0
-    assert accountant.epsilon(1e-6, 0) == pytest.approx(
+    assert privacy.Accountant(plain).epsilon(0, 1e-6) == 0.0
+    assert accountant.epsilon(0, 1e-6) == pytest.approx(
         dpa.get_epsilon_gaussian(8.0, 1e-6), rel=2e-3
     )
     # Gaussians compose exactly: 1/z² adds up.
     combined = (5.0**-2 * 3 + 8.0**-2) ** -0.5
-    assert accountant.epsilon(1e-6, 3) == pytest.approx(
+    assert accountant.epsilon(3, 1e-6) == pytest.approx(
         dpa.get_epsilon_gaussian(combined, 1e-6), rel=2e-3
     )
 
@@ -172,7 +172,7 @@ def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
     )
 
 
-@pytest.mark.parametrize("method", privacy.METHODS)
+@pytest.mark.parametrize("method", privacy.ACCOUNTANTS)
 def test_replace_one_full_batch_equals_add_remove_with_half_the_noise(method):
     """Replacing a unit moves a clipped sum by 2C: a Gaussian of multiplier z/2."""
     k4 = privacy.virtual_clients(
@@ -212,22 +212,25 @@ def test_tree_aggregation_composes_epochs_and_a_partial_epoch():
     ) == pytest.approx(reference.get_epsilon(1e-6), rel=1e-9)
 
 
-@pytest.mark.parametrize("method", privacy.METHODS)
+@pytest.mark.parametrize("method", privacy.ACCOUNTANTS)
 @pytest.mark.parametrize("target", [0.5, 2.0])
 def test_max_steps_is_the_last_step_within_the_target(method, target):
     mechanism = privacy.dp_sgd(2.0, 500, 10_000)
     accountant = privacy.Accountant(mechanism, method)
-    budget = accountant.max_steps(target, 1e-5)
+    budget = accountant.max_steps(1e-5, target_epsilon=target)
     fresh = privacy.Accountant(mechanism, method)
     assert budget >= 1
-    assert fresh.epsilon(1e-5, budget) <= target < fresh.epsilon(1e-5, budget + 1)
-    assert accountant.max_steps(target, 1e-5, limit=budget // 2) == budget // 2
-    assert accountant.max_steps(target, 1e-5, limit=budget + 5) == budget
+    assert fresh.epsilon(budget, 1e-5) <= target < fresh.epsilon(budget + 1, 1e-5)
+    assert (
+        accountant.max_steps(1e-5, target_epsilon=target, limit=budget // 2)
+        == budget // 2
+    )
+    assert accountant.max_steps(1e-5, target_epsilon=target, limit=budget + 5) == budget
 
 
 def test_max_steps_is_zero_when_one_step_is_too_many():
     accountant = privacy.Accountant(privacy.full_batch(0.5, 10_000))
-    assert accountant.max_steps(0.1, 1e-6) == 0
+    assert accountant.max_steps(1e-6, target_epsilon=0.1) == 0
 
 
 @pytest.mark.parametrize(
@@ -244,7 +247,7 @@ def test_max_steps_is_zero_when_one_step_is_too_many():
 def test_bad_delta_is_refused_with_the_reason(delta, message):
     mechanism = privacy.dp_sgd(1.0, 100, 10_000)
     with pytest.raises(ValueError, match=message):
-        privacy.Accountant(mechanism).epsilon(delta, 10)
+        privacy.Accountant(mechanism).epsilon(10, delta)
 
 
 @pytest.mark.parametrize("steps", [0, -3, 2.5, True])
@@ -295,11 +298,11 @@ def test_one_gaussian_is_exact_and_within_dp_accountings_pessimistic_pld(
     pld = reference.get_epsilon(delta)
     accountant = privacy.Accountant(mechanism)
     assert accountant.exact
-    exact = accountant.epsilon(delta, steps)
+    exact = accountant.epsilon(steps, delta)
     assert pld * (1 - 1e-3) - 1e-4 <= exact <= pld * (1 + 1e-9)
     # And δ at that ε agrees too (dp-accounting's δ is an upper bound).
-    assert accountant.delta(pld, steps) <= reference.get_delta(pld) * (1 + 1e-6)
-    assert accountant.delta(exact, steps) == pytest.approx(delta, rel=1e-6)
+    assert accountant.delta(steps, pld) <= reference.get_delta(pld) * (1 + 1e-6)
+    assert accountant.delta(steps, exact) == pytest.approx(delta, rel=1e-6)
 
 
 @pytest.mark.parametrize("noise, sensitivity", [(0.3, 1.0), (1.0, 1.0), (5.0, 2.0)])
@@ -337,10 +340,10 @@ def test_replace_one_full_batch_is_the_gaussian_of_twice_the_sensitivity(z):
     accountant = privacy.Accountant(k4)
     assert accountant.exact
     for epsilon in (0.5, 3.0):
-        assert accountant.delta(epsilon, 1) == pytest.approx(
+        assert accountant.delta(1, epsilon) == pytest.approx(
             analytic_gaussian.delta_for_epsilon(z / 2, epsilon), rel=1e-12
         )
-        assert accountant.delta(epsilon, 1) > analytic_gaussian.delta_for_epsilon(
+        assert accountant.delta(1, epsilon) > analytic_gaussian.delta_for_epsilon(
             z, epsilon
         )
 
@@ -400,11 +403,11 @@ def test_sampled_schedules_never_get_the_closed_form(monkeypatch):
         event = mechanism.event(40)
         reference = dpa.pld.PLDAccountant(mechanism.neighboring_relation)
         pld = reference.compose(event).get_epsilon(1e-6)
-        assert accountant.epsilon(1e-6, 40) == pytest.approx(pld, rel=1e-9)
-        assert accountant.delta(1.0, 40) == pytest.approx(
+        assert accountant.epsilon(40, 1e-6) == pytest.approx(pld, rel=1e-9)
+        assert accountant.delta(40, 1.0) == pytest.approx(
             reference.get_delta(1.0), rel=1e-9
         )
     # The same patch breaks the unsampled case: it does use the closed form.
     with pytest.raises(AssertionError, match="closed form"):
-        privacy.Accountant(privacy.full_batch(1.0, 1_000)).epsilon(1e-6, 3)
+        privacy.Accountant(privacy.full_batch(1.0, 1_000)).epsilon(3, 1e-6)
     assert not privacy.Accountant(privacy.full_batch(1.0, 1_000), "rdp").exact

@@ -29,7 +29,7 @@ def test_calibration_round_trips_within_one_percent(
     mechanism, steps, delta, method, target
 ):
     z = privacy.calibrate_noise_multiplier(
-        mechanism, target, delta, steps, accountant=method
+        mechanism, steps, delta, target_epsilon=target, accountant=method
     )
     achieved = privacy.epsilon(
         mechanism.with_noise_multiplier(z), steps, delta, accountant=method
@@ -46,29 +46,29 @@ def test_an_unreachable_target_names_the_limit_and_the_fixes():
     mechanism = privacy.full_batch(1.0, 1_000)
     with pytest.raises(privacy.CalibrationError, match=r"cannot be met.*fewer steps"):
         privacy.calibrate_noise_multiplier(
-            mechanism, 1e-4, 1e-5, 10_000, max_noise_multiplier=50.0
+            mechanism, 10_000, 1e-5, target_epsilon=1e-4, max_noise_multiplier=50.0
         )
 
 
 def test_calibration_validates_its_inputs():
     mechanism = privacy.dp_sgd(1.0, 100, 10_000)
     with pytest.raises(ValueError, match="1/population"):
-        privacy.calibrate_noise_multiplier(mechanism, 1.0, 1e-3, 100)
+        privacy.calibrate_noise_multiplier(mechanism, 100, 1e-3, target_epsilon=1.0)
     with pytest.raises(ValueError, match="target_epsilon must be > 0"):
-        privacy.calibrate_noise_multiplier(mechanism, 0.0, 1e-6, 100)
+        privacy.calibrate_noise_multiplier(mechanism, 100, 1e-6, target_epsilon=0.0)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
-        privacy.calibrate_noise_multiplier(mechanism, 1.0, 1e-6, 0)
+        privacy.calibrate_noise_multiplier(mechanism, 0, 1e-6, target_epsilon=1.0)
     with pytest.raises(privacy.UnsupportedMechanismError):
         privacy.calibrate_noise_multiplier(
             privacy.virtual_clients(1.0, 10, 1_000, users_per_client=2),
-            1.0,
-            1e-6,
             10,
+            1e-6,
+            target_epsilon=1.0,
             accountant="rdp",
         )
     with pytest.raises(TypeError, match="no single noise multiplier"):
         privacy.calibrate_noise_multiplier(
-            privacy.zcdp(0.1, 1_000), 1.0, 1e-6, 10, accountant="rdp"
+            privacy.zcdp(0.1, 1_000), 10, 1e-6, target_epsilon=1.0, accountant="rdp"
         )
 
 
@@ -77,12 +77,14 @@ def test_a_tiny_target_that_the_accountant_rounds_to_zero_is_calibrated():
     # search passes through such points and must not take log(0).
     mechanism = privacy.dp_sgd(1.0, 10, 100_000)
     assert (
-        privacy.Accountant(mechanism.with_noise_multiplier(1000.0)).epsilon(1e-6, 1)
+        privacy.Accountant(mechanism.with_noise_multiplier(1000.0)).epsilon(1, 1e-6)
         == 0.0
     )
     for target in (1e-4, 1e-3):
-        z = privacy.calibrate_noise_multiplier(mechanism, target, 1e-6, 1)
-        spent = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-6, 1)
+        z = privacy.calibrate_noise_multiplier(
+            mechanism, 1, 1e-6, target_epsilon=target
+        )
+        spent = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1, 1e-6)
         assert 0.9 * target <= spent <= target
 
 
@@ -120,9 +122,11 @@ def test_sampled_calibration_meets_the_target_on_the_default_grid(
 ):
     """Searched on coarser grids, checked here on the accountant's own grid."""
     built = _spy_on_accountants(monkeypatch)
-    z = privacy.calibrate_noise_multiplier(mechanism, target, delta, steps)
+    z = privacy.calibrate_noise_multiplier(
+        mechanism, steps, delta, target_epsilon=target
+    )
     achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(
-        delta, steps
+        steps, delta
     )
     assert (1 - 0.005) * target <= achieved <= target
     # Never accounted far below the answer, where distributions are wide.
@@ -137,14 +141,16 @@ def test_a_target_of_1000_is_met_without_accounting_absurdly_small_noise(
     mechanism, steps, delta, monkeypatch
 ):
     built = _spy_on_accountants(monkeypatch)
-    z = privacy.calibrate_noise_multiplier(mechanism, 1000.0, delta, steps)
+    z = privacy.calibrate_noise_multiplier(
+        mechanism, steps, delta, target_epsilon=1000.0
+    )
     assert min(noise for noise, _ in built) >= z / 2.5
     # The default grid is too slow here (minutes); a grid 10x finer than
     # any the search used also puts ε at most at the target, and close.
     finest = min(interval for _, interval in built if interval > 1e-4)
     check = privacy.Accountant(
         mechanism.with_noise_multiplier(z), value_discretization_interval=finest / 10
-    ).epsilon(delta, steps)
+    ).epsilon(steps, delta)
     assert (1 - 0.005) * 1000 <= check <= 1000
 
 
@@ -167,7 +173,7 @@ def test_a_coarse_grid_bounds_the_default_grid(mechanism, steps, delta, level):
     FFT round-off of a finer grid and the grid values it returns beyond
     ε ≈ 745 put it up to a few 1e-4 above a coarser one.)
     """
-    default = privacy.Accountant(mechanism).epsilon(delta, steps)
+    default = privacy.Accountant(mechanism).epsilon(steps, delta)
     grids = calibration._Grids(
         lambda z, interval: privacy.Accountant(
             mechanism.with_noise_multiplier(z), value_discretization_interval=interval
@@ -189,12 +195,12 @@ def test_unsampled_releases_are_calibrated_on_the_exact_gaussian(target):
     releases = privacy.gaussian_releases(
         [(1.0, 1.0, "Gram matrix"), (1.0, 1.0, "class sums")], num_examples=50_000
     )
-    z = privacy.calibrate_noise_multiplier(releases, target, 1e-6, 1)
+    z = privacy.calibrate_noise_multiplier(releases, 1, 1e-6, target_epsilon=target)
     calibrated = releases.with_noise_multiplier(z)
     exact = dpa.get_epsilon_gaussian(calibrated.noise_multiplier, 1e-6)
     # The exact ε is cheap: the search leaves only 1e-6 of the target unused.
     assert (1 - 2e-6) * target <= exact <= target * (1 + 1e-9)
-    assert privacy.Accountant(calibrated).epsilon(1e-6, 1) <= target
+    assert privacy.Accountant(calibrated).epsilon(1, 1e-6) <= target
     # dp-accounting's PLD of the same event: pessimistic, so at or above.
     pld = (
         dpa.pld.PLDAccountant(value_discretization_interval=target * 1e-3)
@@ -215,7 +221,8 @@ def test_unsampled_releases_are_calibrated_on_the_exact_gaussian(target):
 def test_more_budget_never_asks_for_more_noise(mechanism, steps, delta):
     targets = [0.1, 0.5, 2.0, 8.0, 40.0, 200.0]
     noise = [
-        privacy.calibrate_noise_multiplier(mechanism, t, delta, steps) for t in targets
+        privacy.calibrate_noise_multiplier(mechanism, steps, delta, target_epsilon=t)
+        for t in targets
     ]
     assert noise == sorted(noise, reverse=True)
     assert len(set(noise)) == len(noise)
@@ -226,7 +233,7 @@ def test_a_tiny_delta_is_searched_on_the_default_grid(monkeypatch):
     grids' δ slack (ε 4e-4 above the bound at δ = 1e-11 on one schedule)."""
     built = _spy_on_accountants(monkeypatch)
     mechanism = privacy.dp_sgd(1.0, 10**9, 10**11)
-    z = privacy.calibrate_noise_multiplier(mechanism, 1.0, 1e-12, 50)
+    z = privacy.calibrate_noise_multiplier(mechanism, 50, 1e-12, target_epsilon=1.0)
     assert {interval for _, interval in built} == {1e-4}
-    achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(1e-12, 50)
+    achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(50, 1e-12)
     assert 0.995 <= achieved <= 1.0

@@ -52,7 +52,7 @@ def reported_delta(users_per_client, q, z, epsilon):
         num_users=num_users,
         users_per_client=users_per_client,
     )
-    return privacy.Accountant(mechanism, "pld").delta(epsilon, steps=1)
+    return privacy.Accountant(mechanism, "pld").delta(steps=1, epsilon=epsilon)
 
 
 # The grid integral is accurate to ~1e-9 relative; PLD rounds pessimistically
