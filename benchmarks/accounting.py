@@ -47,7 +47,7 @@ def epsilon_timings(step_counts):
     mechanism = privacy.dp_sgd(**MNIST)
     figures, ratios = {}, {}
     for steps in step_counts:
-        for method in privacy.METHODS:
+        for method in privacy.ACCOUNTANTS:
             cold = _time(_cold_epsilon, mechanism, method, steps)
             warm_accountant = privacy.Accountant(mechanism, method)
             warm_accountant.epsilon(steps - 1_000, DELTA)
