@@ -51,7 +51,7 @@ def epsilon_timings(step_counts):
             cold = _time(_cold_epsilon, mechanism, method, steps)
             warm_accountant = privacy.Accountant(mechanism, method)
             warm_accountant.epsilon(steps - 1_000, DELTA)
-            warm = _time(warm_accountant.epsilon, DELTA, steps)
+            warm = _time(warm_accountant.epsilon, steps, DELTA)
             figures[f"epsilon() {method} cold, {steps:,} steps [s]"] = cold
             figures[f"epsilon() {method} +1,000 steps warm, at {steps:,} [s]"] = warm
             ratios[f"{method} warm/cold at {steps:,} steps"] = warm / cold
