@@ -80,6 +80,15 @@ class ClosedFormSolver:
         z, s = noise_multiplier, self.budget_split
         return z / math.sqrt(s), z / math.sqrt(1 - s)
 
+    def _split_releases(self, noise_multiplier, second, first):
+        """The step's two releases, `(sensitivity, name)` each, splitting z."""
+        return tuple(
+            GaussianRelease.from_noise_multiplier(z, sensitivity, name)
+            for z, (sensitivity, name) in zip(
+                self._split(noise_multiplier), (second, first), strict=True
+            )
+        )
+
     def ridge(self, second_order, num_examples, dim):
         """λ: `l2 · N`, or by default `2 σ √d` of the second-order noise.
 
@@ -133,15 +142,11 @@ class DPLeastSquares(ClosedFormSolver):
     single_step = True  # A further fit would release the statistics again.
 
     def releases(self, noise_multiplier, planned_steps):
-        second, first = self._split(noise_multiplier)
         cx = self.feature_clip_norm
-        return (), (
-            GaussianRelease.from_noise_multiplier(
-                second, stats.GRAM_SENSITIVITY * cx**2, "Gram matrix"
-            ),
-            GaussianRelease.from_noise_multiplier(
-                first, stats.CLASS_SUMS_SENSITIVITY * cx, "per-class feature sums"
-            ),
+        return (), self._split_releases(
+            noise_multiplier,
+            (stats.GRAM_SENSITIVITY * cx**2, "Gram matrix"),
+            (stats.CLASS_SUMS_SENSITIVITY * cx, "per-class feature sums"),
         )
 
     def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
@@ -170,15 +175,11 @@ class DPNewton(ClosedFormSolver):
     name = "dp-newton"
 
     def releases(self, noise_multiplier, planned_steps):
-        second, first = self._split(noise_multiplier)
         cx = self.feature_clip_norm
-        return (), (
-            GaussianRelease.from_noise_multiplier(
-                second, stats.HESSIANS_SENSITIVITY * cx**2, "per-class Hessians"
-            ),
-            GaussianRelease.from_noise_multiplier(
-                first, stats.GRADIENT_SENSITIVITY * cx, "logistic gradient"
-            ),
+        return (), self._split_releases(
+            noise_multiplier,
+            (stats.HESSIANS_SENSITIVITY * cx**2, "per-class Hessians"),
+            (stats.GRADIENT_SENSITIVITY * cx, "logistic gradient"),
         )
 
     def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
