@@ -383,13 +383,6 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             delta: float or None. Defaults to the model's `delta`.
             accountant: str. "pld" (default) or "rdp".
         """
-        if delta is None:
-            delta = self.delta
-        if delta is None:
-            raise ValueError(
-                "privacy_statement needs a delta: pass privacy_statement("
-                "delta=...) or build the model with FedEmbModel(..., delta=...)."
-            )
         return protocol.privacy_statement(self, delta, accountant)
 
     def _known_schedule(self):
@@ -424,9 +417,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         super().compile(optimizer=optimizer, **kwargs)
 
     def fit(self, x=None, *args, **kwargs):
-        """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients`, or (with
-        `schedule=` given to the model) its `to_tf_dataset()` or any
-        dataset of the same round dicts.
+        """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients` or its
+        `to_tf_dataset()` (whose schedule is taken or checked alike), or,
+        with `schedule=` given to the model, any dataset of the same round
+        dicts (e.g. one derived from `to_tf_dataset()` by `.map`).
 
         Everything is checked before the first round: the schedule (taken
         from the `VirtualClients` once, or compared with the model's),
@@ -453,8 +447,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         elif self._schedule is None:
             raise ValueError(
                 f"fit got {type(x).__name__}, which carries no schedule: a "
-                "FedEmbModel fit on anything but a kdpemb.data.VirtualClients "
-                "(e.g. clients.to_tf_dataset()) needs it given, "
+                "FedEmbModel fit on anything but a kdpemb.data.VirtualClients or "
+                "its to_tf_dataset() (e.g. a dataset derived from it by .map) "
+                "needs it given, "
                 "FedEmbModel(..., schedule=clients.schedule). You then vouch "
                 "that the rounds are sampled as it states."
             )
@@ -481,8 +476,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def _check_clients(self, clients):
         """Checks the model against its `VirtualClients`, then adopts their
-        schedule (if it has none) and head width; a refused fit adopts
-        nothing."""
+        schedule (if it has none) and head width; a fit refused by these
+        checks adopts nothing."""
         if (
             self.aggregation == "partial"
             and clients.users_per_client == 1

@@ -316,12 +316,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
         `delta` defaults to the model's `delta`.
         """
-        delta = self.delta if delta is None else delta
-        if delta is None:
-            raise ValueError(
-                "privacy_statement needs a δ: pass delta=..., or build the "
-                "classifier with delta=..."
-            )
         return protocol.privacy_statement(self, delta, accountant)
 
     def _plan(self, num_examples, batch_size, epochs):
@@ -364,7 +358,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                         "start a new classifier."
                     )
             return steps_per_epoch, None
-        taken = self._steps_taken()
+        taken = protocol.read_private_steps(self)
         if taken:
             raise ValueError(
                 f"This classifier has taken {taken} private steps but holds no "
@@ -408,7 +402,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         """
         if self.target_epsilon is None:
             return
-        taken = self._steps_taken()
+        taken = protocol.read_private_steps(self)
         if taken + steps <= self.planned_steps:
             return
         mechanism = self.privacy_mechanism()
@@ -507,7 +501,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 callbacks,
             )
         self._denominator = float(batch_size or len(features))
-        seed = None if self.seed is None else [self.seed, self._steps_taken()]
+        seed = (
+            None
+            if self.seed is None
+            else [self.seed, protocol.read_private_steps(self)]
+        )
         batches = self._batches(
             features, labels, batch_size, steps_per_epoch,
             epochs - initial_epoch, seed,
@@ -547,9 +545,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self.train_function = None
         return batches
 
-    def _steps_taken(self):
-        return int(keras.ops.convert_to_numpy(self.private_steps.value))
-
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(
             "LastLayerDPClassifier trains only through fit: a batch you choose "
@@ -570,13 +565,13 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if self.seed is None:
             rng = np.random.default_rng(secrets.randbits(128))
         else:
-            rng = np.random.default_rng([self.seed, self._steps_taken()])
+            rng = np.random.default_rng([self.seed, protocol.read_private_steps(self)])
         self._method.step(
             self, features, labels, rng, self.step_noise_multiplier,
             self.planned_steps,
         )  # fmt: skip
         self.private_steps.assign_add(1)
-        return {"private_steps": self._steps_taken()}
+        return {"private_steps": protocol.read_private_steps(self)}
 
     @property
     def metrics(self):

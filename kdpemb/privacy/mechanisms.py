@@ -652,31 +652,16 @@ def virtual_clients(
     >>> m.pool_size, m.relation_name
     (2500, 'replace_one')
     """
-    pool = num_virtual_clients(num_users, users_per_client)
-    if num_clients is not None:
-        pool = validation.check_positive_int(num_clients, "num_clients")
-    if sampling == "full_batch":
-        clients_per_round = pool if clients_per_round is None else clients_per_round
-    clients_per_round = validation.check_positive(
-        clients_per_round, "clients_per_round"
-    )
-    if clients_per_round > pool:
-        raise ValueError(
-            f"clients_per_round={clients_per_round:g} is more than the "
-            f"{pool} virtual clients that {num_users} users with "
-            f"users_per_client={users_per_client} make. Use at most {pool} "
-            "clients per round, or fewer users per client."
-        )
-    return SampledGaussian(
-        noise_multiplier=noise_multiplier,
-        sampling=sampling,
-        sample_size=clients_per_round,
-        pool_size=pool,
-        population=num_users,
-        unit="user",
+    from kdpemb.privacy.schedule import Schedule  # It builds on this module.
+
+    schedule = Schedule.virtual_clients(
+        num_users,
+        clients_per_round,
         users_per_client=users_per_client,
-        clip_norm=clip_norm,
+        num_clients=num_clients,
+        sampling=sampling,
     )
+    return schedule.privacy_mechanism(noise_multiplier, clip_norm)
 
 
 def gaussian_releases(

@@ -92,10 +92,11 @@ def model_delta(model, delta=None, who="privacy_statement"):
     if delta is None:
         delta = getattr(model, "delta", None)
     if delta is None:
+        cls = type(model).__name__
         raise ValueError(
-            f"{who} needs δ, and {type(model).__name__} has none: build the "
-            "model with delta=... (once per model), or pass delta=... here. "
-            "Choose δ well below 1/population."
+            f"{who} needs δ, and this {cls} has none: build it with "
+            f"{cls}(..., delta=...) (δ is given once per model), or pass "
+            "delta=... here. Choose δ well below 1/population."
         )
     return delta
 

@@ -136,6 +136,23 @@ class Schedule:
                     f"one user per virtual client there are {num_users} clients."
                 )
             num_clients = None
+        pool = (
+            mechanisms.num_virtual_clients(num_users, users_per_client)
+            if num_clients is None
+            else validation.check_positive_int(num_clients, "num_clients")
+        )
+        if sampling == "full_batch" and clients_per_round is None:
+            clients_per_round = pool
+        clients_per_round = validation.check_positive(
+            clients_per_round, "clients_per_round"
+        )
+        if clients_per_round > pool:
+            raise ValueError(
+                f"clients_per_round={clients_per_round:g} is more than the "
+                f"{pool} virtual clients that {num_users} users with "
+                f"users_per_client={users_per_client} make. Use at most {pool} "
+                "clients per round, or fewer users per client."
+            )
         return cls(
             population=num_users,
             sample_size=clients_per_round,
