@@ -68,6 +68,23 @@ def check_positive_int(value, name, hint=""):
     return int(value)
 
 
+def check_deployment_scale(value):
+    """Checks a deployment scale s >= 1 (s times the noise and the clients).
+
+    >>> check_deployment_scale(64)
+    64.0
+    """
+    value = check_finite_real(value, "scale")
+    if value < 1:
+        raise ValueError(
+            f"scale must be >= 1, got {value!r}. A simulated deployment has s "
+            "times the run's noise multiplier and clients per round (s >= 1); "
+            "s = 1 is the run's own schedule. For the run itself, state its "
+            "own PrivacyStatement."
+        )
+    return value
+
+
 def check_steps(value, name="steps", minimum=1):
     """Checks a step count: an integer >= `minimum` (1 for a schedule)."""
     is_integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)

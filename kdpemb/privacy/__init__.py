@@ -5,7 +5,9 @@ Describe a schedule with a builder (`dp_sgd`, `full_batch`,
 from a `Schedule` (who is sampled how often), then
 compute ε with `epsilon` or an `Accountant`, find the noise for a target
 with `calibrate_noise_multiplier`, and state the result with
-`PrivacyStatement`. This package does not import Keras.
+`PrivacyStatement`; `simulated_deployment` states the ε of a larger
+deployment that a run stands for (never the run's own). This package
+does not import Keras.
 
 Example:
 
@@ -22,6 +24,11 @@ from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
 )
 from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant, delta, epsilon
 from kdpemb.privacy.calibration import calibrate_noise_multiplier
+from kdpemb.privacy.deployment import (
+    DeploymentStatement,
+    deployment_schedule,
+    simulated_deployment,
+)
 from kdpemb.privacy.mechanisms import (
     ZCDP,
     GaussianRelease,
@@ -44,6 +51,7 @@ __all__ = [
     "ACCOUNTANTS",
     "ZCDP",
     "Accountant",
+    "DeploymentStatement",
     "GaussianRelease",
     "GaussianReleases",
     "Mechanism",
@@ -54,11 +62,13 @@ __all__ = [
     "TreeAggregation",
     "calibrate_noise_multiplier",
     "delta",
+    "deployment_schedule",
     "dp_sgd",
     "epsilon",
     "full_batch",
     "gaussian_releases",
     "privacy_statement",
+    "simulated_deployment",
     "tree_aggregation",
     "virtual_clients",
     "zcdp",

@@ -56,6 +56,8 @@ class PrivacyStatement:
     True
     """
 
+    title = "Privacy statement"  # Not a field: the heading of the table.
+
     epsilon: float
     delta: float
     unit: str
@@ -186,9 +188,7 @@ class PrivacyStatement:
     def __rich__(self):
         from rich.table import Table
 
-        table = Table(
-            title="Privacy statement", show_header=False, title_justify="left"
-        )
+        table = Table(title=self.title, show_header=False, title_justify="left")
         table.add_column("field", style="bold")
         table.add_column("value")
         for field, value in self.rows():
@@ -197,6 +197,6 @@ class PrivacyStatement:
 
     def __str__(self):
         width = max(len(field) for field, _ in self.rows())
-        lines = ["Privacy statement"]
+        lines = [self.title]
         lines += [f"  {field:<{width}}  {value}" for field, value in self.rows()]
         return "\n".join(lines)
