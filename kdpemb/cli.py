@@ -6,6 +6,12 @@ Examples:
         --epochs 60 --noise-multiplier 1.1 --delta 1e-5
     kdpemb privacy calibrate --num-users 100000 --clients-per-round 100 \\
         --users-per-client 4 --steps 2000 --target-epsilon 4 --delta 1e-6 --json
+    kdpemb privacy epsilon --num-users 160000 --clients-per-round 2048 \\
+        --steps 3200 --noise-multiplier 0.02 --delta 1e-8 \\
+        --deployment-scale 64 --deployment-users 10000000
+
+The last one states a *simulated deployment* (64 times the noise and the
+clients per round, over 10M users), not the run's own guarantee.
 
 It does not import Keras, so it answers in about two seconds.
 """
@@ -18,6 +24,8 @@ from kdpemb.errors import CalibrationError, UnsupportedMechanismError
 from kdpemb.privacy import mechanisms
 from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant
 from kdpemb.privacy.calibration import calibrate_noise_multiplier
+from kdpemb.privacy.deployment import simulated_deployment
+from kdpemb.privacy.schedule import Schedule
 from kdpemb.privacy.statement import PrivacyStatement
 from kdpemb.version import __version__
 
@@ -114,6 +122,32 @@ def build_parser():
         metavar="Z",
         help="noise std / clip norm",
     )
+    deployment = epsilon.add_argument_group(
+        "simulated deployment (instead of the run's own ε; both flags)",
+        "State the ε of a deployment with S times the noise multiplier and "
+        "the clients per round over --deployment-users users: the same "
+        "mean-update noise as this run, never this run's own guarantee.",
+    )
+    deployment.add_argument(
+        "--deployment-scale",
+        type=float,
+        metavar="S",
+        help="s >= 1: the deployment's noise multiplier and clients per round "
+        "are s times the run's",
+    )
+    deployment.add_argument(
+        "--deployment-users",
+        type=int,
+        metavar="N",
+        help="users in the deployment (at least --num-users)",
+    )
+    deployment.add_argument(
+        "--deployment-clients",
+        type=int,
+        metavar="P",
+        help="virtual clients in the deployment, if fixed from a public count "
+        "(default ceil(N / users-per-client))",
+    )
 
     calibrate = actions.add_parser(
         "calibrate",
@@ -184,8 +218,46 @@ def mechanism_from_args(args, noise_multiplier):
     return mechanism, steps
 
 
+def _deployment_from_args(args):
+    """The simulated deployment's statement, or None without its flags."""
+    flags = (args.deployment_scale, args.deployment_users, args.deployment_clients)
+    if all(flag is None for flag in flags):
+        return None
+    if args.deployment_scale is None or args.deployment_users is None:
+        raise ValueError(
+            "A simulated deployment needs both --deployment-scale and "
+            "--deployment-users."
+        )
+    if args.num_users is None:
+        raise ValueError(
+            "--deployment-scale is for user-level runs: give --num-users and "
+            "--clients-per-round."
+        )
+    _, steps = mechanism_from_args(args, args.noise_multiplier)  # Checks flags.
+    schedule = Schedule.virtual_clients(
+        args.num_users,
+        args.clients_per_round,
+        users_per_client=args.users_per_client,
+        sampling=_SAMPLINGS[args.sampling],
+    )
+    return simulated_deployment(
+        schedule,
+        args.noise_multiplier,
+        steps,
+        scale=args.deployment_scale,
+        deployment_users=args.deployment_users,
+        deployment_clients=args.deployment_clients,
+        delta=args.delta,
+        clip_norm=args.clip_norm,
+        accountant=args.accountant,
+    )
+
+
 def _run(args):
     if args.action == "epsilon":
+        deployment = _deployment_from_args(args)
+        if deployment is not None:
+            return deployment, {}
         mechanism, steps = mechanism_from_args(args, args.noise_multiplier)
         Accountant(mechanism, args.accountant)  # Clear error if unsupported.
         return PrivacyStatement.compute(
