@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import dp_accounting as dpa
 import pytest
 
 from kdpemb import cli, privacy
@@ -181,6 +182,68 @@ def test_bad_input_exits_2_with_a_message(capsys, argv, message):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+DEPLOYMENT_RUN = (
+    *("privacy", "epsilon", "--num-users", "160000", "--clients-per-round", "2048"),
+    *("--steps", "300", "--noise-multiplier", "0.02", "--delta", "1e-8"),
+)
+
+
+def test_deployment_flags_state_the_simulated_deployment(capsys):
+    status, out = run_cli(
+        capsys,
+        *DEPLOYMENT_RUN,
+        *("--deployment-scale", "64", "--deployment-users", "10000000"),
+        *("--accountant", "rdp", "--json"),
+    )
+    assert status == 0
+    data = json.loads(out)
+    assert data["kind"] == "simulated_deployment" and data["scale"] == 64
+    assert data["noise_multiplier"] == 64 * 0.02
+    assert data["run_noise_multiplier"] == 0.02
+    assert data["population"] == 10_000_000 and data["run_population"] == 160_000
+    step = dpa.PoissonSampledDpEvent(2048 * 64 / 1e7, dpa.GaussianDpEvent(64 * 0.02))
+    reference = dpa.rdp.RdpAccountant().compose(dpa.SelfComposedDpEvent(step, 300))
+    assert data["epsilon"] == pytest.approx(reference.get_epsilon(1e-8), rel=1e-9)
+    status, out = run_cli(
+        capsys,
+        *DEPLOYMENT_RUN,
+        *("--deployment-scale", "64", "--deployment-users", "10000000"),
+        *("--accountant", "rdp"),
+    )
+    assert status == 0 and "SIMULATED DEPLOYMENT" in out
+    assert "Simulated deployment (NOT this run's guarantee)" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--deployment-scale", "64"), "needs both --deployment-scale"),
+        (("--deployment-users", "10000000"), "needs both --deployment-scale"),
+        (
+            ("--deployment-scale", "128", "--deployment-users", "200000"),
+            "Use deployment_users >= 262144",
+        ),
+        (
+            ("--deployment-scale", "0.5", "--deployment-users", "200000"),
+            "scale must be >= 1",
+        ),
+    ],
+)
+def test_bad_deployment_flags_exit_2(capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*DEPLOYMENT_RUN, *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_deployment_flags_need_a_user_level_run(capsys):
+    argv = epsilon_argv("--deployment-scale", "2", "--deployment-users", "70000")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "--num-users" in capsys.readouterr().err
 
 
 def test_an_unreachable_target_is_reported(capsys):
