@@ -30,7 +30,7 @@ Example:
 >>> deployment.noise_multiplier, deployment.clients_per_round
 (1.0, 1000.0)
 >>> print(deployment.summary())  # doctest: +ELLIPSIS
-Simulated deployment (NOT this run's guarantee): scale s = 10 ...
+Simulated deployment (NOT this run's guarantee): scale s = 10, i.e. ...
 """
 
 import dataclasses

@@ -128,6 +128,7 @@ def test_poster_dp_fedemb_row_0_02_x_64_is_3_90():
     assert mechanism.event(POSTER_ROUNDS) == event
     epsilon = reference_epsilon(event, POSTER_DELTA, "rdp", Relation.ADD_OR_REMOVE_ONE)
     assert round(epsilon, 2) == 3.90  # The poster's DP-FedEmb figure.
+    assert round(epsilon, 3) == 3.898
     # The poster's δ = 1e-7 is 1/N for N = 10M: kdpemb refuses δ >= 1/N.
     with pytest.raises(ValueError, match="not below 1/population"):
         privacy.simulated_deployment(
@@ -213,3 +214,40 @@ def test_only_user_level_poisson_schedules_are_extrapolated():
     fixed = privacy.Schedule.virtual_clients(1_000, 10, sampling="fixed")
     with pytest.raises(ValueError, match="Poisson"):
         privacy.deployment_schedule(fixed, 2, 10_000)
+
+
+@pytest.mark.parametrize(
+    ("z", "rdp_1e7", "pld_1e7", "rdp_1e8", "pld_1e8"),
+    [(0.02, 3.90, 3.65, 4.22, 3.97), (0.015, 6.51, 6.06, 7.06, 6.60)],
+)
+def test_the_poster_table_of_the_docs(z, rdp_1e7, pld_1e7, rdp_1e8, pld_1e8):
+    # docs/privacy.md, "Simulated deployment": each figure against
+    # dp-accounting called directly, and kdpemb's at δ = 1e-8 against it.
+    event = sampled_gaussian_run(POSTER_Q, 64 * z, POSTER_ROUNDS)
+    add_remove = Relation.ADD_OR_REMOVE_ONE
+    assert round(reference_epsilon(event, 1e-7, "rdp", add_remove), 2) == rdp_1e7
+    assert round(reference_epsilon(event, 1e-7, "pld", add_remove), 2) == pld_1e7
+    run = privacy.Schedule.virtual_clients(160_000, 2048)
+    for method, figure in (("rdp", rdp_1e8), ("pld", pld_1e8)):
+        ours = privacy.simulated_deployment(
+            run,
+            z,
+            POSTER_ROUNDS,
+            scale=64,
+            deployment_users=10_000_000,
+            delta=1e-8,
+            accountant=method,
+        ).epsilon
+        theirs = reference_epsilon(event, 1e-8, method, add_remove)
+        assert ours == pytest.approx(theirs, rel=1e-9)
+        assert round(ours, 2) == figure
+
+
+def test_the_docs_alternatives_for_the_dp_fedavg_row():
+    add_remove = Relation.ADD_OR_REMOVE_ONE
+    replace = sampled_gaussian_run(POSTER_Q, 64 * 0.015, POSTER_ROUNDS)
+    assert round(reference_epsilon(replace, 1e-7, "pld", Relation.REPLACE_ONE), 2) == (
+        9.68
+    )
+    other_run = sampled_gaussian_run(2000 * 64 / 1e7, 64 * 0.015, 2_500)
+    assert round(reference_epsilon(other_run, 1e-7, "rdp", add_remove), 2) == 5.63
