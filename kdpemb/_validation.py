@@ -192,3 +192,28 @@ def check_labels(labels, num_examples=None, num_classes=None):
             f"at index {i}. Raise num_classes or re-index the labels."
         )
     return array.astype(np.int64)
+
+
+HEADS = ("softmax", "cosine")
+
+
+def check_head(head, scale, margin):
+    """`(head, scale, margin)` checked, or a ValueError naming the fix."""
+    if head not in HEADS:
+        raise ValueError(
+            f"head must be one of {HEADS}, got {head!r}; pass head='cosine' "
+            "for a normalised softmax or head='softmax' for plain logits."
+        )
+    scale = check_positive(scale, "head_scale")
+    margin = check_finite_real(margin, "head_margin")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(
+            f"head_margin must be in [0, 1) (a cosine margin), got {margin!r}; "
+            "pass e.g. head_margin=0.0 or 0.2."
+        )
+    if head == "softmax" and margin:
+        raise ValueError(
+            "head_margin applies to head='cosine' only; pass head_margin=0.0 "
+            "with head='softmax'."
+        )
+    return head, float(scale), float(margin)

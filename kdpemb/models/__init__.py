@@ -5,18 +5,23 @@ from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
     UnsupportedLayerError,
 )
 from kdpemb.models.backbone_checks import check_backbone
-from kdpemb.models.backbones import small_cnn
+from kdpemb.models.backbones import resnet_gn, small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
 from kdpemb.models.dp_sgd_head import dense_gradient_norms
 from kdpemb.models.fedemb import FedEmbModel
+from kdpemb.models.heads import CosineHead
 from kdpemb.models.last_layer import ClipFeatures, LastLayerDPClassifier
+from kdpemb.models.pretraining import pretrain
 
 __all__ = [
     "CentralizedBaseline",
     "ClipFeatures",
+    "CosineHead",
     "FedEmbModel",
     "LastLayerDPClassifier",
     "check_backbone",
     "dense_gradient_norms",
+    "pretrain",
+    "resnet_gn",
     "small_cnn",
 ]

@@ -10,17 +10,25 @@ import keras
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb.models import backbone_checks, fedemb
+from kdpemb.models import backbone_checks, fedemb, heads
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
 class CentralizedBaseline(keras.Model):
-    """`backbone` followed by a `Dense(num_classes)` softmax head (no DP).
+    """`backbone` followed by a softmax head over every identity (no DP).
 
     Args:
         backbone: `keras.Model` from images to embeddings `[batch, D]`, as
             for `FedEmbModel` (images arrive as float32 pixel values).
         num_classes: int. Identities in the training data.
+        head: "softmax" (default): a `Dense(num_classes)` layer; or
+            "cosine": `s · normalize(e) · normalize(W)`, a normalised
+            softmax (`kdpemb.models.heads`), which usually gives better
+            embeddings for verification.
+        head_scale: float. s, the bound on the cosine logits. Defaults to 16.
+        head_margin: float in [0, 1). Additive cosine margin (CosFace),
+            taken off the true class's cosine in the training loss only
+            (`compute_loss`); 0 (default) for none. Cosine head only.
 
     Example:
 
@@ -33,12 +41,28 @@ class CentralizedBaseline(keras.Model):
     (2, 3)
     """
 
-    def __init__(self, backbone, num_classes, **kwargs):
+    def __init__(
+        self,
+        backbone,
+        num_classes,
+        head="softmax",
+        head_scale=heads.DEFAULT_SCALE,
+        head_margin=0.0,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         backbone_checks.check_backbone(backbone)
         self.backbone = backbone
         self.num_classes = validation.check_positive_int(num_classes, "num_classes")
-        self.classifier = keras.layers.Dense(self.num_classes, name="classifier")
+        self.head, self.head_scale, self.head_margin = validation.check_head(
+            head, head_scale, head_margin
+        )
+        if self.head == "cosine":
+            self.classifier = heads.CosineHead(
+                self.num_classes, self.head_scale, name="classifier"
+            )
+        else:
+            self.classifier = keras.layers.Dense(self.num_classes, name="classifier")
         self.classifier.build((None, fedemb._output_dim(backbone)))
         self.built = True
 
@@ -47,11 +71,27 @@ class CentralizedBaseline(keras.Model):
         embeddings = self.backbone(ops.cast(images, "float32"), training=training)
         return self.classifier(embeddings)
 
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        """The compiled loss, with the cosine margin on the true class
+        while training (integer labels)."""
+        if self.head_margin and training and y is not None and y_pred is not None:
+            y_pred = heads.margin_logits(
+                y_pred, y, self.num_classes, self.head_scale, self.head_margin
+            )
+        return super().compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+
     def get_config(self):
         return {
             **super().get_config(),
             "backbone": keras.saving.serialize_keras_object(self.backbone),
             "num_classes": self.num_classes,
+            "head": self.head,
+            "head_scale": self.head_scale,
+            "head_margin": self.head_margin,
         }
 
     @classmethod

@@ -14,7 +14,13 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb.errors import DataDependentScheduleWarning
-from kdpemb.models import backbone_checks, backends, fedemb_round, private_state
+from kdpemb.models import (
+    backbone_checks,
+    backends,
+    fedemb_round,
+    heads,
+    private_state,
+)
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import Schedule, gaussian_sum, protocol
@@ -27,6 +33,9 @@ _FROZEN_SETTINGS = frozenset(
         "client_optimizer",
         "head_lr_scale",
         "head_init",
+        "head_type",  # The `head` argument (`model.head` is DP-FedAvg's head).
+        "head_scale",
+        "head_margin",
         "reconstruction_steps",
         "clip_norm",
         "noise_multiplier",
@@ -161,8 +170,19 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             (learning rate, momentum, nesterov). Defaults to `SGD(0.01)`.
         head_lr_scale: float. The head's local learning rate is the
             client's times this. Defaults to `100`, the reference code's value.
-        head_init: "zeros" (default) or "random" (N(0, 1/D), fresh per
-            client and round); DP-FedEmb only.
+        head_init: "zeros", "random" or None (the default: "zeros" for
+            the softmax head, "random" for the cosine head). DP-FedEmb: a
+            local head starts at zeros or from N(0, 1/D), fresh per client
+            and round. DP-FedAvg: the global head's initial value (a
+            data-independent draw).
+        head: "softmax" (default): local logits `e · W`; or "cosine":
+            `s · normalize(e) · normalize(W)`, a normalised softmax that
+            often learns better embeddings. A cosine head needs
+            `head_init="random"`: a zero column has no direction.
+        head_scale: float. s, the bound on the cosine logits. Defaults to 16.
+        head_margin: float in [0, 1). Additive cosine margin (CosFace) on
+            the true class in the local loss; cosine head only. Defaults
+            to 0.
         reconstruction_steps: int. First local batches that train only
             the head, backbone frozen. Must be below the schedule's
             `local_steps`.
@@ -220,7 +240,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         num_classes=None,
         client_optimizer=0.01,
         head_lr_scale=100.0,
-        head_init="zeros",
+        head_init=None,
+        head="softmax",
+        head_scale=heads.DEFAULT_SCALE,
+        head_margin=0.0,
         reconstruction_steps=0,
         clip_norm=1.0,
         noise_multiplier,
@@ -237,15 +260,26 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             raise ValueError(
                 f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}."
             )
+        head, head_scale, head_margin = validation.check_head(
+            head, head_scale, head_margin
+        )
+        if head_init is None:
+            head_init = "random" if head == "cosine" else "zeros"
         if head_init not in HEAD_INITS:
             raise ValueError(
                 f"head_init must be one of {HEAD_INITS}, got {head_init!r}."
             )
-        if aggregation == "full" and head_init != "zeros":
+        if head == "cosine" and head_init != "random":
             raise ValueError(
-                "head_init applies to DP-FedEmb's local heads; with "
-                "aggregation='full' the global head starts at zeros."
+                "head='cosine' normalises the head's columns, and a zero column "
+                "has no direction (its cosine logits would be 0/0): pass "
+                "head_init='random' (or leave head_init=None)."
             )
+        self.head_type, self.head_scale, self.head_margin = (
+            head,
+            head_scale,
+            head_margin,
+        )
         self.aggregation = aggregation
         self.head_init = head_init
         if (
@@ -295,7 +329,11 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             self.num_classes = validation.check_positive_int(num_classes, "num_classes")
             self.head = self.add_weight(
                 shape=(output_dim, self.num_classes),
-                initializer="zeros",
+                initializer=(
+                    "zeros"
+                    if head_init == "zeros"
+                    else keras.initializers.RandomNormal(stddev=output_dim**-0.5)
+                ),
                 name="head",
             )
         else:
@@ -536,6 +574,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             clip_norm=self.clip_norm,
             client_parallelism=int(parallelism),
             full_aggregation=self.aggregation == "full",
+            head=self.head_type,
+            head_scale=self.head_scale,
+            head_margin=self.head_margin,
         )
 
     def _round(self, data):
@@ -621,6 +662,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             },
             "head_lr_scale": self.head_lr_scale,
             "head_init": self.head_init,
+            "head": self.head_type,
+            "head_scale": self.head_scale,
+            "head_margin": self.head_margin,
             "reconstruction_steps": self.reconstruction_steps,
             "clip_norm": self.clip_norm,
             "noise_multiplier": self.noise_multiplier,

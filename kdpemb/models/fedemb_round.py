@@ -10,7 +10,10 @@ Per virtual client (a row of the round):
 
 1. The head starts from zeros, a fresh random draw, or (DP-FedAvg) the
    global head; it has one column per local class, and columns beyond the
-   client's `num_local_classes` are masked out of the softmax.
+   client's `num_local_classes` are masked out of the softmax. Its logits
+   are `e · W`, or with `head="cosine"` `s · normalize(e) · normalize(W)`
+   (`kdpemb.models.heads`; a cosine head starts random, never at zeros),
+   with an optional margin `s · m` off the true class in the loss.
 2. `reconstruction_steps` local batches train the head alone (backbone
    frozen), then the remaining batches train both, with SGD (and momentum)
    at learning rate lr for the backbone and lr · head_lr_scale for the
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import keras
 from keras import ops
 
+from kdpemb.models import heads as heads_lib
 from kdpemb.privacy import gaussian_sum
 
 _MASKED_LOGIT = -1e9
@@ -44,6 +48,9 @@ class RoundConfig(NamedTuple):
     clip_norm: float
     client_parallelism: int
     full_aggregation: bool
+    head: str = "softmax"  # Or "cosine".
+    head_scale: float = heads_lib.DEFAULT_SCALE  # s of the cosine logits.
+    head_margin: float = 0.0  # Cosine margin m, in the training loss only.
 
 
 class RoundResult(NamedTuple):
@@ -53,9 +60,14 @@ class RoundResult(NamedTuple):
     loss_sum: object  # Sum over clients of the mean local training loss.
 
 
-def head_logits(embeddings, head, num_classes):
-    """`embeddings @ head`, with columns >= `num_classes` masked out."""
-    logits = ops.matmul(embeddings, head)
+def head_logits(embeddings, head, num_classes, cosine_scale=None):
+    """`embeddings @ head` (or, given `cosine_scale`, the cosine logits
+    `s · normalize(embeddings) @ normalize(head)`), with columns >=
+    `num_classes` masked out."""
+    if cosine_scale is None:
+        logits = ops.matmul(embeddings, head)
+    else:
+        logits = heads_lib.cosine_logits(embeddings, head, cosine_scale)
     valid = ops.arange(ops.shape(head)[-1]) < num_classes
     return ops.where(valid, logits, _MASKED_LOGIT)
 
@@ -136,8 +148,17 @@ class ClientTrainer:
                 ops.take(client["example_mask"], step, axis=0),
             )
 
+        cosine = cfg.head == "cosine"
+
         def head_loss(params, embeddings, labels, mask):
-            logits = head_logits(embeddings, params[0], num_classes)
+            head = params[0]
+            logits = head_logits(
+                embeddings, head, num_classes, cfg.head_scale if cosine else None
+            )
+            if cosine and cfg.head_margin:
+                logits = heads_lib.margin_logits(
+                    logits, labels, head.shape[-1], cfg.head_scale, cfg.head_margin
+                )
             return masked_cross_entropy(logits, labels, mask)
 
         head_grad = self.value_and_grad(head_loss)

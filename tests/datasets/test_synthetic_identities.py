@@ -257,3 +257,87 @@ def test_non_integer_indices_raise_index_error():
         images[np.array([0.5, 1.0])]
     with pytest.raises(IndexError, match="boolean mask"):
         images[np.array([True, False])]
+
+
+# ------------------------------------------------------- public domain --
+
+
+def test_private_is_the_default_domain_and_public_is_reproducible():
+    default = np.asarray(synthetic_identities(6, 3, seed=7).images)
+    private = np.asarray(synthetic_identities(6, 3, seed=7, domain="private").images)
+    assert default.tobytes() == private.tobytes()
+    first = np.asarray(synthetic_identities(6, 3, seed=7, domain="public").images)
+    second = np.asarray(synthetic_identities(6, 3, seed=7, domain="public").images)
+    assert first.tobytes() == second.tobytes()
+    assert (first != default).reshape(18, -1).any(axis=1).all()
+    # Rendered alone or in a batch, at any chunking: the same bytes.
+    lone = SyntheticImages(6, 3, seed=7, domain="public", chunk_size=1)
+    np.testing.assert_array_equal(lone[np.array([17, 4])], first[[17, 4]])
+
+
+def test_public_identities_are_another_stream_than_private_ones():
+    private = SyntheticImages(1, 1, seed=3)
+    public = SyntheticImages(1, 1, seed=3, domain="public")
+    identities = np.arange(20_000, dtype=np.int64)
+    private_keys = private._identity_keys(identities)
+    public_keys = public._identity_keys(identities)
+    # Identity k differs between the domains, and no public identity among
+    # the first 20,000 is any of the first 20,000 private ones.
+    assert (private_keys != public_keys).all()
+    assert not np.isin(public_keys, private_keys).any()
+    assert len(np.unique(public_keys)) == len(identities)
+
+
+def test_public_identity_k_is_not_private_identity_k():
+    # Nearest private centroid (images 0-4 of each identity) of held-out
+    # images, every image standardised (which removes brightness and
+    # contrast): private images find their identity far above chance, the
+    # public images "of the same index" do not.
+    def standardised(domain):
+        images = np.asarray(synthetic_identities(20, 10, seed=0, domain=domain).images)
+        flat = images.reshape(20, 10, -1).astype(np.float64)
+        flat -= flat.mean(axis=-1, keepdims=True)
+        return flat / flat.std(axis=-1, keepdims=True)
+
+    private, public = standardised("private"), standardised("public")
+    centroids = private[:, :5].mean(axis=1)
+
+    def accuracy(queries):
+        queries = queries.reshape(-1, queries.shape[-1])
+        distances = ((queries[:, None] - centroids[None]) ** 2).sum(-1)
+        return (distances.argmin(1) == np.repeat(np.arange(20), 5)).mean()
+
+    assert accuracy(private[:, 5:]) > 0.3
+    assert accuracy(public[:, 5:]) < 0.15  # Chance: 0.05.
+
+
+def test_public_nuisance_is_brighter_and_warmer_as_documented():
+    def stats(domain):
+        images = synthetic_identities(100, 2, seed=0, domain=domain).images
+        pixels = np.asarray(images).astype(np.float64)
+        return pixels.mean(), (pixels[..., 0] - pixels[..., 2]).mean()
+
+    (private_mean, private_warmth), (public_mean, public_warmth) = (
+        stats("private"),
+        stats("public"),
+    )
+    # Module docstring: mean pixel about 160 against 122, mean red minus
+    # blue about +57 against +24.
+    assert 150 < public_mean < 170 and 112 < private_mean < 132
+    assert 45 < public_warmth < 67 and 14 < private_warmth < 34
+
+
+def test_public_images_are_rarely_occluded_and_less_rotated():
+    def nuisance(domain):
+        images = SyntheticImages(1, 1, domain=domain)
+        domain = images._domain
+        return domain.occlusion, domain.rotation, domain.shift
+
+    private, public = nuisance("private"), nuisance("public")
+    assert public[0] < private[0] and public[1] < private[1]
+    assert public[2] < private[2]
+
+
+def test_unknown_domain_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"domain must be one of .*'public'.*got 'x'"):
+        synthetic_identities(2, 2, domain="x")
