@@ -1,0 +1,384 @@
+"""DP-FedEmb utility study: public pretraining, then private fine-tuning.
+
+Issue 17's study on the synthetic identities. Every method starts from
+the same backbone and is evaluated by Recall@FAR=1e-3 and 1e-2 over all
+pairs of held-out private-domain identities (never trained on):
+
+- `untrained`: the backbone as initialised;
+- `public-pretrained`: `kdpemb.models.pretrain` on public-domain
+  identities (disjoint, shifted nuisance), and nothing else;
+- `centralized`: the public-pretrained backbone fine-tuned non-privately
+  with a global head over every private user's identity (the upper bound);
+- `FedEmb (non-private)`: FedEmb rounds without clipping or noise;
+- `DP-FedEmb` and `DP-FedAvg`: the same rounds with clipping and noise
+  multiplier z, whose ε is stated for a simulated deployment (noise s·z,
+  s·M clients per round, `deployment_users` users), never as the run's own.
+
+    python -m benchmarks.fedemb_utility            # the study (GPU: minutes)
+    python -m benchmarks.fedemb_utility --quick    # smoke test (seconds)
+    python -m benchmarks.fedemb_utility --seeds 0 --methods centralized
+
+Prints one JSON line per finished run (so a cut-off run keeps what it
+did) and a summary; `--output FILE` writes all of it as JSON.
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+
+FARS = (1e-3, 1e-2)
+METHODS = (
+    "untrained",
+    "public-pretrained",
+    "centralized",
+    "FedEmb (non-private)",
+    "DP-FedEmb",
+    "DP-FedAvg",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    """Sizes and hyperparameters of the study (chosen on the held-out set:
+    this synthetic benchmark has no separate validation split)."""
+
+    image_size: int = 32
+    width: int = 32
+    embedding_dim: int = 64
+    head_scale: float = 30.0
+    # Public pretraining.
+    public_identities: int = 2000
+    public_images: int = 8
+    pretrain_epochs: int = 12
+    pretrain_lr: float = 2e-3
+    batch_size: int = 64
+    # Private users (one identity each) and the held-out identities.
+    private_identities: int = 4000
+    private_images: int = 8
+    eval_identities: int = 200
+    eval_images: int = 8
+    eval_first_identity: int = 1_000_000
+    # Centralized fine-tuning (the upper bound).
+    centralized_epochs: int = 10
+    centralized_lr: float = 1e-3
+    # FedEmb rounds.
+    users_per_client: int = 4
+    clients_per_round: int = 64
+    local_steps: int = 4
+    client_batch: int = 16
+    client_lr: float = 0.01
+    head_lr_scale: float = 100.0
+    reconstruction_steps: int = 0
+    server_lr: float = 1e-3
+    rounds: int = 300
+    clip_norm: float = 1.0
+    noise_multiplier: float = 0.01
+    # The simulated deployment that states ε.
+    deployment_scale: float = 256.0
+    deployment_users: int = 10_000_000
+    seeds: tuple = (0, 1, 2)
+
+
+QUICK = StudyConfig(
+    image_size=16,
+    width=8,
+    embedding_dim=16,
+    public_identities=30,
+    public_images=4,
+    pretrain_epochs=1,
+    private_identities=40,
+    private_images=4,
+    eval_identities=20,
+    eval_images=4,
+    centralized_epochs=1,
+    clients_per_round=2,
+    local_steps=2,
+    client_batch=4,
+    rounds=2,
+    deployment_scale=4.0,
+    deployment_users=1000,
+    seeds=(0,),
+)
+
+
+def _log(record):
+    print(json.dumps(record), flush=True)
+
+
+class Study:
+    """Data and the shared pretrained backbone of one seed."""
+
+    def __init__(self, config, seed):
+        import numpy as np
+
+        from kdpemb.datasets import synthetic_identities
+
+        self.config = config
+        self.seed = seed
+        size = config.image_size
+
+        def render(count, images, **kwargs):
+            data = synthetic_identities(
+                count, images, image_size=size, seed=seed, **kwargs
+            )
+            return np.asarray(data.images), data.labels, data.user_ids
+
+        self.public = render(
+            config.public_identities, config.public_images, domain="public"
+        )
+        self.private = render(config.private_identities, config.private_images)
+        self.held_out = render(
+            config.eval_identities,
+            config.eval_images,
+            first_identity=config.eval_first_identity,
+        )[:2]
+        self._initial = None
+        self._pretrained = None
+
+    def backbone(self):
+        import keras
+
+        from kdpemb.models import resnet_gn
+
+        keras.utils.set_random_seed(self.seed)
+        size = self.config.image_size
+        return resnet_gn(
+            (size, size, 3),
+            embedding_dim=self.config.embedding_dim,
+            width=self.config.width,
+        )
+
+    def recalls(self, backbone):
+        from kdpemb.metrics import recall_at_far
+
+        images, labels = self.held_out
+        embeddings = backbone.predict(images, batch_size=512, verbose=0)
+        values = recall_at_far(embeddings, labels, far=FARS)
+        return {f"recall@far={far:g}": float(v) for far, v in zip(FARS, values)}
+
+    def pretrained(self):
+        """A fresh copy of the public-pretrained backbone (trained once)."""
+        import keras
+
+        from kdpemb.models import pretrain
+
+        cfg = self.config
+        if self._pretrained is None:
+            backbone = self.backbone()
+            steps = cfg.pretrain_epochs * -(-len(self.public[1]) // cfg.batch_size)
+            pretrain(
+                backbone,
+                self.public[:2],
+                epochs=cfg.pretrain_epochs,
+                head_scale=cfg.head_scale,
+                optimizer=keras.optimizers.Adam(
+                    keras.optimizers.schedules.CosineDecay(cfg.pretrain_lr, steps)
+                ),
+                batch_size=cfg.batch_size,
+                verbose=0,
+            )
+            self._pretrained = backbone.get_weights()
+        backbone = self.backbone()
+        backbone.set_weights(self._pretrained)
+        return backbone
+
+    def centralized(self):
+        import keras
+
+        from kdpemb.models import CentralizedBaseline
+
+        cfg = self.config
+        backbone = self.pretrained()
+        model = CentralizedBaseline(
+            backbone, cfg.private_identities, head="cosine", head_scale=cfg.head_scale
+        )
+        steps = cfg.centralized_epochs * -(-len(self.private[1]) // cfg.batch_size)
+        model.compile(
+            optimizer=keras.optimizers.Adam(
+                keras.optimizers.schedules.CosineDecay(cfg.centralized_lr, steps)
+            ),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(
+            self.private[0],
+            self.private[1],
+            batch_size=cfg.batch_size,
+            epochs=cfg.centralized_epochs,
+            verbose=0,
+        )
+        return backbone, {"examples": cfg.centralized_epochs * len(self.private[1])}
+
+    def fedemb(self, aggregation, private, **overrides):
+        import keras
+
+        from kdpemb.data import VirtualClients
+        from kdpemb.models import FedEmbModel
+
+        cfg = dataclasses.replace(self.config, **overrides)
+        images, labels, users = self.private
+        with warnings.catch_warnings():
+            # Fixed seeds void the guarantee; a benchmark wants them.
+            warnings.simplefilter("ignore")
+            clients = VirtualClients(
+                images,
+                labels,
+                users,
+                clients_per_round=cfg.clients_per_round,
+                users_per_client=cfg.users_per_client,
+                num_clients=-(-cfg.private_identities // cfg.users_per_client),
+                local_steps=cfg.local_steps,
+                batch_size=cfg.client_batch,
+                rounds_per_epoch=cfg.rounds,
+                seed=self.seed,
+            )
+            model = FedEmbModel(
+                self.pretrained(),
+                aggregation=aggregation,
+                num_classes=cfg.private_identities if aggregation == "full" else None,
+                head="cosine",
+                head_scale=cfg.head_scale,
+                client_optimizer=cfg.client_lr,
+                head_lr_scale=cfg.head_lr_scale,
+                reconstruction_steps=cfg.reconstruction_steps,
+                clip_norm=cfg.clip_norm if private else 1e9,
+                noise_multiplier=cfg.noise_multiplier if private else 0.0,
+                seed=self.seed,
+            )
+        model.compile(optimizer=keras.optimizers.Adam(cfg.server_lr))
+        model.fit(clients, epochs=1, verbose=0)
+        info = {"rounds": cfg.rounds}
+        if private:
+            info.update(self.deployment(model, cfg))
+        return model.backbone, info
+
+    def deployment(self, model, cfg):
+        from kdpemb import privacy
+
+        delta = 0.1 / cfg.deployment_users
+        statement = privacy.simulated_deployment(
+            model.schedule,
+            model.noise_multiplier,
+            int(model.private_steps),
+            scale=cfg.deployment_scale,
+            deployment_users=cfg.deployment_users,
+            delta=delta,
+        )
+        return {
+            "deployment epsilon": statement.epsilon,
+            "deployment delta": delta,
+            "deployment noise multiplier": cfg.deployment_scale * cfg.noise_multiplier,
+            "deployment clients per round": cfg.deployment_scale
+            * cfg.clients_per_round,
+            "deployment users": cfg.deployment_users,
+        }
+
+    def run(self, method, **overrides):
+        start = time.perf_counter()
+        if method == "untrained":
+            backbone, info = self.backbone(), {}
+        elif method == "public-pretrained":
+            backbone, info = self.pretrained(), {}
+        elif method == "centralized":
+            backbone, info = self.centralized()
+        elif method == "FedEmb (non-private)":
+            backbone, info = self.fedemb("partial", private=False, **overrides)
+        elif method == "DP-FedEmb":
+            backbone, info = self.fedemb("partial", private=True, **overrides)
+        elif method == "DP-FedAvg":
+            backbone, info = self.fedemb("full", private=True, **overrides)
+        else:
+            raise ValueError(f"unknown method {method!r}; one of {METHODS}")
+        record = {"method": method, "seed": self.seed, **overrides, **info}
+        record.update(self.recalls(backbone))
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        return record
+
+
+def summarize(records):
+    """Mean and std over seeds of each method (and each ablation)."""
+    groups = {}
+    for record in records:
+        key = tuple(
+            (k, v)
+            for k, v in record.items()
+            if k not in ("seed", "seconds") and not k.startswith(("recall", "deploy"))
+        )
+        groups.setdefault(key, []).append(record)
+    summary = []
+    for key, group in groups.items():
+        row = dict(key)
+        row["seeds"] = [r["seed"] for r in group]
+        for far in FARS:
+            values = [r[f"recall@far={far:g}"] for r in group]
+            row[f"recall@far={far:g} mean"] = statistics.fmean(values)
+            row[f"recall@far={far:g} std"] = (
+                statistics.stdev(values) if len(values) > 1 else 0.0
+            )
+        if "deployment epsilon" in group[0]:
+            row["deployment epsilon"] = group[0]["deployment epsilon"]
+        summary.append(row)
+    return summary
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seeds", type=int, nargs="*", default=None)
+    parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="config overrides, e.g. rounds=100"
+    )
+    parser.add_argument(
+        "--ablate",
+        nargs="*",
+        default=[],
+        help="extra DP-FedEmb runs, e.g. users_per_client=1,16 local_steps=1,8",
+    )
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else StudyConfig()
+    config = dataclasses.replace(config, **_parse(args.set))
+    seeds = tuple(args.seeds) if args.seeds is not None else config.seeds
+    _log({"config": dataclasses.asdict(config), "seeds": seeds})
+    records = []
+    for seed in seeds:
+        study = Study(config, seed)
+        for method in args.methods:
+            records.append(study.run(method))
+            _log(records[-1])
+        for name, values in _parse(args.ablate, many=True).items():
+            for value in values:
+                records.append(study.run("DP-FedEmb", **{name: value}))
+                _log(records[-1])
+    summary = summarize(records)
+    for row in summary:
+        _log({"summary": row})
+    if args.output:
+        with open(args.output, "w") as file:
+            json.dump(
+                {"config": dataclasses.asdict(config), "runs": records, "summary": summary},
+                file,
+                indent=1,
+            )
+    return summary
+
+
+def _parse(items, many=False):
+    fields = {f.name: f.type for f in dataclasses.fields(StudyConfig)}
+    parsed = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"unknown setting {name!r}; one of {sorted(fields)}")
+        kind = fields[name] if fields[name] in (int, float) else float
+        values = [kind(v) for v in text.split(",")]
+        parsed[name] = values if many else values[0]
+    return parsed
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
