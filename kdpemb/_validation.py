@@ -85,6 +85,34 @@ def check_deployment_scale(value):
     return value
 
 
+def check_deployment_clients(value, users, users_per_client):
+    """Checks a deployment's virtual clients P' in [ceil(N'/k), N'].
+
+    With k users per client the N' users make at least ceil(N'/k) clients
+    and at most N' (one user each); with k = 1, exactly N'.
+
+    >>> check_deployment_clients(300, users=1_000, users_per_client=4)
+    300
+    """
+    value = check_positive_int(value, "deployment_clients")
+    low = -(-users // users_per_client)
+    if users_per_client == 1 and value != users:
+        raise ValueError(
+            f"deployment_clients={value} with one user per virtual client: the "
+            f"deployment's {users} users make exactly {users} clients. Leave "
+            "deployment_clients out (or use the run's users_per_client > 1)."
+        )
+    if not low <= value <= users:
+        raise ValueError(
+            f"deployment_clients={value} is outside [{low}, {users}]: "
+            f"{users} deployment users in virtual clients of at most "
+            f"{users_per_client} users make at least ceil({users}/"
+            f"{users_per_client}) = {low} and at most {users} clients. Use a "
+            "deployment_clients in that range, or change deployment_users."
+        )
+    return value
+
+
 def check_steps(value, name="steps", minimum=1):
     """Checks a step count: an integer >= `minimum` (1 for a schedule)."""
     is_integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -11,7 +11,10 @@ Examples:
         --deployment-scale 64 --deployment-users 10000000
 
 The last one states a *simulated deployment* (64 times the noise and the
-clients per round, over 10M users), not the run's own guarantee.
+clients per round, over 10M users), not the run's own guarantee; it also
+shows the run's own ε (RDP, where the run's relation allows). With
+--epochs the steps come from the run's pool: the deployment keeps the
+run's number of rounds.
 
 It does not import Keras, so it answers in about two seconds.
 """
@@ -123,10 +126,13 @@ def build_parser():
         help="noise std / clip norm",
     )
     deployment = epsilon.add_argument_group(
-        "simulated deployment (instead of the run's own ε; both flags)",
+        "simulated deployment (both flags; shown next to the run's own ε)",
         "State the ε of a deployment with S times the noise multiplier and "
         "the clients per round over --deployment-users users: the same "
-        "mean-update noise as this run, never this run's own guarantee.",
+        "mean-update noise as this run, never this run's own guarantee. The "
+        "deployment keeps the run's number of rounds: with --epochs they "
+        "are the run's (ceil(epochs / q) for the run's q), not the "
+        "deployment's epochs.",
     )
     deployment.add_argument(
         "--deployment-scale",
@@ -145,8 +151,9 @@ def build_parser():
         "--deployment-clients",
         type=int,
         metavar="P",
-        help="virtual clients in the deployment, if fixed from a public count "
-        "(default ceil(N / users-per-client))",
+        help="virtual clients in the deployment, if fixed from a public count: "
+        "in [ceil(N / users-per-client), N] (default ceil(N / "
+        "users-per-client); exactly N with one user per client)",
     )
 
     calibrate = actions.add_parser(

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import subprocess
 import sys
@@ -200,12 +201,20 @@ def test_deployment_flags_state_the_simulated_deployment(capsys):
     assert status == 0
     data = json.loads(out)
     assert data["kind"] == "simulated_deployment" and data["scale"] == 64
-    assert data["noise_multiplier"] == 64 * 0.02
-    assert data["run_noise_multiplier"] == 0.02
-    assert data["population"] == 10_000_000 and data["run_population"] == 160_000
+    assert "epsilon" not in data  # Nested: never read as the run's own ε.
+    deployment, run = data["deployment"], data["run"]
+    assert deployment["noise_multiplier"] == 64 * 0.02
+    assert run["noise_multiplier"] == 0.02
+    assert deployment["population"] == 10_000_000 and run["population"] == 160_000
     step = dpa.PoissonSampledDpEvent(2048 * 64 / 1e7, dpa.GaussianDpEvent(64 * 0.02))
     reference = dpa.rdp.RdpAccountant().compose(dpa.SelfComposedDpEvent(step, 300))
-    assert data["epsilon"] == pytest.approx(reference.get_epsilon(1e-8), rel=1e-9)
+    assert deployment["epsilon"] == pytest.approx(reference.get_epsilon(1e-8), rel=1e-9)
+    own = dpa.PoissonSampledDpEvent(2048 / 160_000, dpa.GaussianDpEvent(0.02))
+    own_reference = dpa.rdp.RdpAccountant().compose(dpa.SelfComposedDpEvent(own, 300))
+    assert run["epsilon"] == pytest.approx(own_reference.get_epsilon(1e-8), rel=1e-9)
+    assert "this run's own guarantee" in run["epsilon_note"]
+    with pytest.raises(ValueError, match="DeploymentStatement"):
+        privacy.PrivacyStatement.from_json(out)
     status, out = run_cli(
         capsys,
         *DEPLOYMENT_RUN,
@@ -214,6 +223,60 @@ def test_deployment_flags_state_the_simulated_deployment(capsys):
     )
     assert status == 0 and "SIMULATED DEPLOYMENT" in out
     assert "Simulated deployment (NOT this run's guarantee)" in out
+    assert "ε (epsilon) (deployment)" in out
+    assert "This run's own guarantee: ε = " in out
+
+
+def test_deployment_clients_flag_sets_the_deployment_pool(capsys):
+    status, out = run_cli(
+        capsys,
+        *DEPLOYMENT_RUN,
+        *("--users-per-client", "4", "--deployment-scale", "64"),
+        *("--deployment-users", "10000000", "--deployment-clients", "3000000"),
+        "--json",
+    )
+    assert status == 0
+    data = json.loads(out)
+    deployment = data["deployment"]
+    assert deployment["mechanism"]["pool_size"] == 3_000_000
+    assert deployment["neighboring_relation"] == "replace_one"
+    step = dpa.PoissonSampledDpEvent(2048 * 64 / 3e6, dpa.GaussianDpEvent(64 * 0.02))
+    reference = dpa.pld.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE).compose(
+        dpa.SelfComposedDpEvent(step, 300)
+    )
+    assert deployment["epsilon"] == pytest.approx(reference.get_epsilon(1e-8), rel=1e-9)
+    assert data["run"]["epsilon"] is None  # Replace-one at z = 0.02: not computed.
+    assert data["run"]["epsilon_note"].startswith("not computed")
+
+
+def test_deployment_with_epochs_keeps_the_run_rounds(capsys):
+    argv = [arg if arg != "--steps" else "--epochs" for arg in DEPLOYMENT_RUN]
+    argv[argv.index("--epochs") + 1] = "2"
+    status, out = run_cli(
+        capsys,
+        *argv,
+        *("--deployment-scale", "64", "--deployment-users", "10000000"),
+        *("--accountant", "rdp", "--json"),
+    )
+    assert status == 0
+    # Two epochs of the run: ceil(2 / q) rounds at the run's q = 2048 / 160000,
+    # not two epochs of the deployment (ceil(2 / 0.0131) = 153 rounds).
+    assert json.loads(out)["deployment"]["steps"] == math.ceil(2 * 160_000 / 2048)
+
+
+def test_deployment_with_non_integer_clients_per_round(capsys):
+    argv = list(DEPLOYMENT_RUN)
+    argv[argv.index("--clients-per-round") + 1] = "33"
+    status, out = run_cli(
+        capsys,
+        *argv,
+        *("--deployment-scale", "1.5", "--deployment-users", "200000"),
+        *("--accountant", "rdp", "--json"),
+    )
+    assert status == 0
+    data = json.loads(out)
+    assert data["deployment_clients_per_round"] == 49.5
+    assert data["deployment"]["sampling_probability"] == 49.5 / 200_000
 
 
 @pytest.mark.parametrize(
@@ -228,6 +291,27 @@ def test_deployment_flags_state_the_simulated_deployment(capsys):
         (
             ("--deployment-scale", "0.5", "--deployment-users", "200000"),
             "scale must be >= 1",
+        ),
+        (
+            (
+                *("--deployment-scale", "2", "--deployment-users", "200000"),
+                *("--deployment-clients", "199999"),
+            ),
+            "exactly 200000 clients",
+        ),
+        (
+            (
+                *("--users-per-client", "4", "--deployment-scale", "2"),
+                *("--deployment-users", "200000", "--deployment-clients", "100"),
+            ),
+            "deployment_clients=100 is outside [50000, 200000]",
+        ),
+        (
+            (
+                *("--users-per-client", "4", "--deployment-scale", "64"),
+                *("--deployment-users", "200000", "--deployment-clients", "60000"),
+            ),
+            "Use deployment_clients >= 131072, or scale <= 29.29.",
         ),
     ],
 )

@@ -26,6 +26,7 @@ from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant, delta, epsilon
 from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.deployment import (
     DeploymentStatement,
+    RunDescription,
     deployment_schedule,
     simulated_deployment,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "Mechanism",
     "PrivacyStatement",
     "PrivateModel",
+    "RunDescription",
     "SampledGaussian",
     "Schedule",
     "TreeAggregation",

@@ -10,101 +10,253 @@ deployment. That ε is *not* the run's guarantee: the run itself, with
 noise z, has a far larger ε (or none at all).
 
 `simulated_deployment` states the deployment's guarantee as a
-`DeploymentStatement`: a `PrivacyStatement` of the deployment's mechanism
-(built from `Schedule.virtual_clients`, accounted like any other run)
-that names itself "simulated deployment" everywhere it is shown, and
-carries the run's own z, M and population. The extrapolation keeps the
-run's unit, users per virtual client k (so its neighbouring relation:
-replace-one for k > 1), sampling (Poisson only), local steps and number
-of rounds; the deployment's pool is `ceil(deployment_users / k)` virtual
-clients.
+`DeploymentStatement`. It is not a `PrivacyStatement`: it *holds* one,
+`.deployment` (the deployment's mechanism, built from
+`Schedule.virtual_clients` and accounted like any other run), next to
+`.run`, the run's own z, M, population and ε at the same δ
+(`RunDescription`). Its summary, table and JSON (nested: `{"kind":
+"simulated_deployment", "deployment": {...}, "run": {...}}`) say
+"simulated deployment" everywhere, and `PrivacyStatement.from_json`
+refuses its JSON. The extrapolation keeps the run's unit, users per
+virtual client k (so its neighbouring relation: replace-one for k > 1),
+sampling (Poisson only), local steps and number of rounds; the
+deployment's pool is `ceil(deployment_users / k)` virtual clients, or
+`deployment_clients`.
 
 Example:
 
 >>> from kdpemb import privacy
 >>> run = privacy.Schedule.virtual_clients(num_users=200_000,
 ...                                        clients_per_round=100)
->>> deployment = privacy.simulated_deployment(
+>>> statement = privacy.simulated_deployment(
 ...     run, noise_multiplier=0.1, steps=1_000, scale=10,
 ...     deployment_users=10_000_000, delta=1e-8)
->>> deployment.noise_multiplier, deployment.clients_per_round
+>>> statement.deployment.noise_multiplier, statement.deployment_clients_per_round
 (1.0, 1000.0)
->>> print(deployment.summary())  # doctest: +ELLIPSIS
+>>> statement.run_epsilon > 100  # The run's own ε (RDP): no real guarantee.
+True
+>>> print(statement.summary())  # doctest: +ELLIPSIS
 Simulated deployment (NOT this run's guarantee): scale s = 10, i.e. ...
 """
 
 import dataclasses
+import json
+import math
 
 from kdpemb import _validation as validation
 from kdpemb.privacy import mechanisms
+from kdpemb.privacy.accountant import Accountant
+from kdpemb.privacy.mechanisms import Relation
 from kdpemb.privacy.schedule import Schedule
-from kdpemb.privacy.statement import PrivacyStatement
+from kdpemb.privacy.statement import (
+    DEPLOYMENT_KIND,
+    PrivacyStatement,
+    rich_table,
+    text_table,
+)
 
-KIND = "simulated_deployment"
+KIND = DEPLOYMENT_KIND
+RUN_LABEL = "this run's own guarantee"
+
+
+def _count(value):
+    """A count for display: an integer with separators, else 10 digits."""
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return format(value, ".10g")
+
+
+def _scale(value):
+    return format(value, ".10g")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeploymentStatement(PrivacyStatement):
-    """The `PrivacyStatement` of a simulated deployment, marked as such.
+class RunDescription:
+    """The run a simulated deployment stands for, with its own ε.
 
-    Its `PrivacyStatement` fields (`epsilon`, `noise_multiplier`,
-    `sampling_probability`, `population`, ...) are the deployment's. Its
-    `summary()`, table and JSON say "simulated deployment" and show the
-    run's own values next to them. `PrivacyStatement.from_json` refuses
-    its JSON (use `DeploymentStatement.from_json`), so it is not read
-    back as the run's guarantee by mistake.
+    Attributes:
+        noise_multiplier: float. The run's z.
+        clients_per_round: float. The run's M.
+        population: int. The run's users N.
+        pool_size: int. The run's virtual clients P.
+        users_per_client: int. k (the deployment's too).
+        sampling_probability: float. The run's q = M / P.
+        epsilon: float or None. The run's own ε at the deployment's δ
+            (`math.inf`: no noise, no guarantee); None when not computed
+            (see `epsilon_note`).
+        epsilon_accountant: str or None. "rdp" or "pld"; None when not
+            computed.
+        epsilon_note: str. How `epsilon` was computed, or why it was not.
+    """
 
-    Attributes (beyond `PrivacyStatement`'s):
-        kind: str. Always "simulated_deployment".
+    noise_multiplier: float
+    clients_per_round: float
+    population: int
+    pool_size: int
+    users_per_client: int
+    sampling_probability: float
+    epsilon: float | None
+    epsilon_accountant: str | None
+    epsilon_note: str
+
+    def to_dict(self):
+        data = dataclasses.asdict(self)
+        if data["epsilon"] is not None and not math.isfinite(data["epsilon"]):
+            data["epsilon"] = None  # Told apart by epsilon_accountant.
+        return data
+
+    @classmethod
+    def from_dict(cls, data):
+        data = dict(data)
+        if data.get("epsilon") is None and data.get("epsilon_accountant"):
+            data["epsilon"] = math.inf
+        return cls(**data)
+
+    def describe_epsilon(self, delta):
+        """The run's own ε at `delta` in words, or why it was not computed."""
+        if self.epsilon is None:
+            return self.epsilon_note
+        name = "PLD" if self.epsilon_accountant == "pld" else "RDP"
+        if math.isinf(self.epsilon):
+            return f"ε = ∞: NO guarantee (no noise; {name} accountant)"
+        return f"ε = {self.epsilon:.4g} at δ = {delta:.3g} ({name} accountant)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeploymentStatement:
+    """A simulated deployment's guarantee, held apart from the run's.
+
+    Not a `PrivacyStatement` (and not one by `isinstance`): it holds the
+    deployment's `PrivacyStatement` as `deployment`, and the run as `run`.
+    `PrivacyStatement.from_json` refuses its JSON; read it back with
+    `DeploymentStatement.from_json`.
+
+    Attributes:
+        deployment: `PrivacyStatement`. The deployment's guarantee (s·z
+            noise, s·M clients per round, its population and pool).
         scale: float. s: the deployment has s times the run's noise
             multiplier and clients per round.
-        clients_per_round: float. The deployment's s·M.
-        run_noise_multiplier: float. The run's z.
-        run_clients_per_round: float. The run's M.
-        run_population: int. The run's users.
-        run_sampling_probability: float. The run's q.
+        deployment_clients_per_round: float. The deployment's s·M.
+        run: `RunDescription`. The run's own z, M, population and ε.
     """
 
     title = "Privacy statement of a SIMULATED DEPLOYMENT (not this run's guarantee)"
+    kind = KIND  # Not a field: written first in `to_dict`.
 
-    kind: str = KIND
+    deployment: PrivacyStatement
     scale: float
-    clients_per_round: float
-    run_noise_multiplier: float
-    run_clients_per_round: float
-    run_population: int
-    run_sampling_probability: float
+    deployment_clients_per_round: float
+    run: RunDescription
 
     def __post_init__(self):
-        if self.kind != KIND:
-            raise ValueError(f"kind must be {KIND!r}, got {self.kind!r}.")
+        if not isinstance(self.deployment, PrivacyStatement):
+            raise TypeError(
+                "deployment must be the deployment's PrivacyStatement, got "
+                f"{type(self.deployment).__name__}."
+            )
+        if not isinstance(self.run, RunDescription):
+            raise TypeError(
+                f"run must be a RunDescription, got {type(self.run).__name__}."
+            )
+
+    @property
+    def run_epsilon(self):
+        """The run's own ε at the same δ (None: not computed; see `run`)."""
+        return self.run.epsilon
 
     def summary(self):
         """One line, opening with "Simulated deployment", then the guarantee."""
+        deployment, run = self.deployment, self.run
+        unit = deployment.unit
         return (
             f"Simulated deployment (NOT this run's guarantee): scale s = "
-            f"{self.scale:g}, i.e. noise multiplier {self.noise_multiplier:.4g} "
-            f"and {self.clients_per_round:g} clients per round over "
-            f"{self.population:,} {self.unit}s, where the run had noise "
-            f"multiplier {self.run_noise_multiplier:.4g} and "
-            f"{self.run_clients_per_round:g} clients per round over "
-            f"{self.run_population:,} {self.unit}s (same mean-update noise "
-            f"z·C/M). The deployment would satisfy: {super().summary()}"
+            f"{_scale(self.scale)}, i.e. noise multiplier "
+            f"{deployment.noise_multiplier:.4g} and "
+            f"{_count(self.deployment_clients_per_round)} clients per round "
+            f"over {deployment.population:,} {unit}s, where the run had noise "
+            f"multiplier {run.noise_multiplier:.4g} and "
+            f"{_count(run.clients_per_round)} clients per round over "
+            f"{run.population:,} {unit}s (same mean-update noise z·C/M). The "
+            f"deployment would satisfy: {deployment.summary()} This run's own "
+            f"guarantee: {run.describe_epsilon(deployment.delta)}."
         )
 
     def rows(self):
-        run = (
-            f"noise multiplier {self.run_noise_multiplier:.4g}, "
-            f"{self.run_clients_per_round:g} clients per round, "
-            f"{self.run_population:,} {self.unit}s, q = "
-            f"{self.run_sampling_probability:.4g}"
-        )
+        """(field, value) pairs; each of the deployment's says "(deployment)"."""
+        run = self.run
         return [
-            ("statement of", f"simulated deployment, scale s = {self.scale:g}"),
-            ("the run itself", run),
-            ("clients per round (deployment)", f"{self.clients_per_round:g}"),
-            *super().rows(),
+            (
+                "statement of",
+                f"SIMULATED DEPLOYMENT, scale s = {_scale(self.scale)} (not this run)",
+            ),
+            *[
+                (f"{field} (deployment)", value)
+                for field, value in self.deployment.rows()
+            ],
+            (
+                "clients per round (deployment)",
+                _count(self.deployment_clients_per_round),
+            ),
+            (
+                f"ε of the run ({RUN_LABEL})",
+                run.describe_epsilon(self.deployment.delta),
+            ),
+            (
+                "the run itself",
+                f"noise multiplier {run.noise_multiplier:.4g}, "
+                f"{_count(run.clients_per_round)} clients per round, "
+                f"{run.population:,} {self.deployment.unit}s, q = "
+                f"{run.sampling_probability:.4g}",
+            ),
         ]
+
+    def to_dict(self):
+        """A JSON-ready, nested dict: kind, scale, deployment, run."""
+        return {
+            "kind": KIND,
+            "scale": self.scale,
+            "deployment_clients_per_round": self.deployment_clients_per_round,
+            "deployment": self.deployment.to_dict(),
+            "run": self.run.to_dict(),
+        }
+
+    def to_json(self, indent=2):
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data):
+        if data.get("kind") != KIND:
+            raise ValueError(
+                f"A DeploymentStatement dict has kind={KIND!r}, got "
+                f"{data.get('kind')!r}. A run's own statement is read with "
+                "PrivacyStatement.from_dict."
+            )
+        return cls(
+            deployment=PrivacyStatement.from_dict(data["deployment"]),
+            scale=data["scale"],
+            deployment_clients_per_round=data["deployment_clients_per_round"],
+            run=RunDescription.from_dict(data["run"]),
+        )
+
+    @classmethod
+    def from_json(cls, text):
+        return cls.from_dict(json.loads(text))
+
+    def __rich__(self):
+        return rich_table(self.title, self.rows())
+
+    def __str__(self):
+        return text_table(self.title, self.rows())
+
+
+def _round_down(value, digits=4):
+    """`value` rounded down to `digits` significant digits (> 0 values)."""
+    exponent = math.floor(math.log10(value))
+    factor = 10.0 ** (digits - 1 - exponent)
+    rounded = math.floor(value * factor) / factor
+    while rounded > value:  # Guards against float error in the product.
+        rounded -= 1 / factor
+    return rounded
 
 
 def deployment_schedule(schedule, scale, deployment_users, deployment_clients=None):
@@ -113,11 +265,15 @@ def deployment_schedule(schedule, scale, deployment_users, deployment_clients=No
     Args:
         schedule: `Schedule`. The run's (user level, Poisson sampling).
         scale: float. s >= 1.
-        deployment_users: int. Users in the deployment, at least the run's.
+        deployment_users: int. Users N' in the deployment, at least the
+            run's N.
         deployment_clients: int or None. The deployment's number of
-            virtual clients P, if fixed from a public count. None derives
-            `ceil(deployment_users / k)`, except that a deployment of the
-            run's own users keeps the run's P.
+            virtual clients P', if fixed from a public count: in
+            [ceil(N'/k), N'] (exactly N' for k = 1). None derives
+            `ceil(N'/k)`, except: a deployment of the run's own users
+            keeps the run's P; and a run whose P is a public count
+            (`num_clients`) needs an explicit P' for any other N' (the
+            deployment's public count is not the run's to guess).
 
     Example:
 
@@ -154,22 +310,44 @@ def deployment_schedule(schedule, scale, deployment_users, deployment_clients=No
             f"{schedule.population}."
         )
     k = schedule.users_per_client
-    if deployment_clients is None and users == schedule.population:
+    given = deployment_clients is not None
+    if given:
+        deployment_clients = validation.check_deployment_clients(
+            deployment_clients, users, k
+        )
+    elif users == schedule.population:
         deployment_clients = schedule.num_clients
-    if deployment_clients is None:
-        pool = mechanisms.num_virtual_clients(users, k)
-    else:
-        pool = validation.check_positive_int(deployment_clients, "deployment_clients")
+    elif schedule.num_clients is not None:
+        low = mechanisms.num_virtual_clients(users, k)
+        same_ratio = -(-schedule.num_clients * users // schedule.population)
+        raise ValueError(
+            f"The run's pool of {schedule.num_clients} virtual clients is a "
+            f"public count (num_clients); a deployment of {users} users (not "
+            f"the run's {schedule.population}) needs its own: pass "
+            f"deployment_clients in [{low}, {users}] (e.g. "
+            f"{min(max(same_ratio, low), users)} for the run's ratio of "
+            "clients to users)."
+        )
+    pool = (
+        mechanisms.num_virtual_clients(users, k)
+        if deployment_clients is None
+        else deployment_clients
+    )
     clients = scale * schedule.sample_size
     if clients > pool:
-        needed = clients * k
+        needed = math.ceil(clients)
+        fix = (
+            f"deployment_clients >= {needed}"
+            if given
+            else f"deployment_users >= {needed * k}"
+        )
         raise ValueError(
-            f"The deployment samples s·M = {scale:g} × "
-            f"{schedule.sample_size:g} = {clients:g} virtual clients per round "
-            f"from {pool} (deployment_users={users}, users_per_client={k}): "
-            f"q = {clients / pool:.4g} > 1, more than the whole pool. Use "
-            f"deployment_users >= {needed:.0f}, or scale <= "
-            f"{pool / schedule.sample_size:.4g}."
+            f"The deployment samples s·M = {_scale(scale)} × "
+            f"{_count(schedule.sample_size)} = {_count(clients)} virtual clients "
+            f"per round from {pool} (deployment_users={users}, "
+            f"users_per_client={k}): q = {clients / pool:.4g} > 1, more than "
+            f"the whole pool. Use {fix}, or scale <= "
+            f"{_round_down(pool / schedule.sample_size):.10g}."
         )
     return Schedule.virtual_clients(
         users,
@@ -179,6 +357,39 @@ def deployment_schedule(schedule, scale, deployment_users, deployment_clients=No
         sampling="poisson",
         local_steps=schedule.local_steps,
     )
+
+
+def run_epsilon(schedule, noise_multiplier, steps, delta, *, scale, accountant):
+    """The run's own ε at `delta`, where it can be computed safely.
+
+    PLD at the small z of such runs can take very long (or exhaust
+    memory), so: with s = 1 the run has the deployment's z and is accounted
+    like it (`accountant`); otherwise with RDP, which is fast at any z,
+    where the run's relation allows (add/remove, k = 1). Replace-one runs
+    (k > 1) with s > 1 are not computed: RDP has no model of them and no
+    bound is invented.
+
+    Returns:
+        (epsilon or None, accountant name or None, note).
+    """
+    mechanism = schedule.privacy_mechanism(noise_multiplier)
+    if scale == 1:
+        method = accountant
+    elif mechanism.neighboring_relation == Relation.ADD_OR_REMOVE_ONE:
+        method = "rdp"
+    else:
+        return (
+            None,
+            None,
+            "not computed: the run's relation is replace-one (users_per_client "
+            f"{schedule.users_per_client}), which the RDP accountant does not "
+            f"model, and PLD at the run's noise multiplier {noise_multiplier:.4g} "
+            "can take very long; compute it with PrivacyStatement.compute("
+            "schedule.privacy_mechanism(z), steps, delta) if you need it",
+        )
+    epsilon = Accountant(mechanism, method).epsilon(steps, delta)
+    note = f"{RUN_LABEL}, at the deployment's δ, {method.upper()} accountant"
+    return epsilon, method, note
 
 
 def simulated_deployment(
@@ -200,19 +411,21 @@ def simulated_deployment(
     local steps; only its noise, clients per round and population differ.
     Its ε is computed like any run's (`PrivacyStatement.compute` on
     `deployment_schedule(...).privacy_mechanism(s·z)`); it is a statement
-    about that deployment, never about the run.
+    about that deployment, never about the run. The run's own ε at the
+    same δ comes with it (`run_epsilon`; see the function of that name).
 
     Args:
         schedule: `Schedule`. The run's schedule (e.g. `model.schedule`).
         noise_multiplier: float. The run's z (e.g. `model.noise_multiplier`).
         steps: int. The run's private steps (rounds), kept as they are.
         scale: float. s >= 1; s = 1 with the run's own users is the run.
-        deployment_users: int. Users in the deployment (>= the run's). The
-            deployment's q = s·M / ceil(deployment_users / k) must be <= 1.
+        deployment_users: int. Users N' in the deployment (>= the run's).
+            The deployment's q = s·M / P' must be <= 1.
         delta: float. δ, below 1 / deployment_users.
-        deployment_clients: int or None. See `deployment_schedule`.
+        deployment_clients: int or None. P'; see `deployment_schedule`.
         clip_norm: float or None. C, shown in the statement.
-        accountant: str. "pld" (default) or "rdp" (add/remove only, k = 1).
+        accountant: str. "pld" (default) or "rdp" (add/remove only, k = 1)
+            for the deployment.
 
     Returns:
         `DeploymentStatement`.
@@ -224,16 +437,27 @@ def simulated_deployment(
     scale = float(scale)
     mechanism = deployed.privacy_mechanism(scale * noise_multiplier, clip_norm)
     statement = PrivacyStatement.compute(mechanism, steps, delta, accountant)
-    fields = {
-        field.name: getattr(statement, field.name)
-        for field in dataclasses.fields(PrivacyStatement)
-    }
-    return DeploymentStatement(
-        **fields,
+    epsilon, method, note = run_epsilon(
+        schedule,
+        noise_multiplier,
+        statement.steps,
+        statement.delta,
         scale=scale,
-        clients_per_round=deployed.sample_size,
-        run_noise_multiplier=noise_multiplier,
-        run_clients_per_round=schedule.sample_size,
-        run_population=schedule.population,
-        run_sampling_probability=schedule.sampling_probability,
+        accountant=statement.accountant,
+    )
+    return DeploymentStatement(
+        deployment=statement,
+        scale=scale,
+        deployment_clients_per_round=deployed.sample_size,
+        run=RunDescription(
+            noise_multiplier=noise_multiplier,
+            clients_per_round=schedule.sample_size,
+            population=schedule.population,
+            pool_size=schedule.pool_size,
+            users_per_client=schedule.users_per_client,
+            sampling_probability=schedule.sampling_probability,
+            epsilon=epsilon,
+            epsilon_accountant=method,
+            epsilon_note=note,
+        ),
     )

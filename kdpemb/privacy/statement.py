@@ -9,6 +9,9 @@ from kdpemb import _validation as validation
 from kdpemb.privacy.accountant import Accountant
 from kdpemb.version import __version__
 
+# The "kind" of a `DeploymentStatement`'s dict (kdpemb.privacy.deployment).
+DEPLOYMENT_KIND = "simulated_deployment"
+
 _ACCOUNTANT_NAMES = {
     "pld": "PLD (privacy loss distributions, dp-accounting)",
     "rdp": "RDP (Rényi DP, dp-accounting)",
@@ -147,6 +150,20 @@ class PrivacyStatement:
 
     @classmethod
     def from_dict(cls, data):
+        """The statement `to_dict` wrote; refuses a simulated deployment's."""
+        if "kind" in data or "deployment" in data:
+            kind = data.get("kind")
+            if kind == DEPLOYMENT_KIND or "deployment" in data:
+                raise ValueError(
+                    f"This dict has kind={kind!r}: it is a DeploymentStatement, "
+                    "the guarantee of a SIMULATED DEPLOYMENT, not of the run. "
+                    "Read it with DeploymentStatement.from_dict / from_json; "
+                    "its 'deployment' entry is not the run's guarantee."
+                )
+            raise ValueError(
+                f"This dict has kind={kind!r}; a PrivacyStatement dict has no "
+                "'kind' (it comes from PrivacyStatement.to_dict)."
+            )
         data = dict(data)
         if data.get("epsilon") is None:
             data["epsilon"] = math.inf
@@ -186,17 +203,27 @@ class PrivacyStatement:
         ]
 
     def __rich__(self):
-        from rich.table import Table
-
-        table = Table(title=self.title, show_header=False, title_justify="left")
-        table.add_column("field", style="bold")
-        table.add_column("value")
-        for field, value in self.rows():
-            table.add_row(field, value)
-        return table
+        return rich_table(self.title, self.rows())
 
     def __str__(self):
-        width = max(len(field) for field, _ in self.rows())
-        lines = [self.title]
-        lines += [f"  {field:<{width}}  {value}" for field, value in self.rows()]
-        return "\n".join(lines)
+        return text_table(self.title, self.rows())
+
+
+def rich_table(title, rows):
+    """A `rich` table of (field, value) rows under `title`."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for field, value in rows:
+        table.add_row(field, value)
+    return table
+
+
+def text_table(title, rows):
+    """The plain-text table of (field, value) rows under `title`."""
+    width = max(len(field) for field, _ in rows)
+    lines = [title]
+    lines += [f"  {field:<{width}}  {value}" for field, value in rows]
+    return "\n".join(lines)

@@ -1,5 +1,7 @@
 import dataclasses
 import json
+import math
+import re
 
 import dp_accounting as dpa
 import pytest
@@ -44,12 +46,14 @@ def test_one_user_per_client_matches_dp_accounting_add_remove(method):
     )
     event = sampled_gaussian_run(8 * 100 / 4_000_000, 8 * 0.1, 500)
     expected = reference_epsilon(event, 1e-8, method, Relation.ADD_OR_REMOVE_ONE)
-    assert deployed.epsilon == pytest.approx(expected, rel=1e-9)
-    assert deployed.neighboring_relation == "add_or_remove_one"
-    assert (deployed.noise_multiplier, deployed.clients_per_round) == (0.8, 800)
-    assert deployed.sampling_probability == 8 * 100 / 4_000_000
-    assert (deployed.population, deployed.steps) == (4_000_000, 500)
-    assert (deployed.run_noise_multiplier, deployed.run_clients_per_round) == (
+    statement = deployed.deployment
+    assert statement.epsilon == pytest.approx(expected, rel=1e-9)
+    assert statement.neighboring_relation == "add_or_remove_one"
+    assert statement.noise_multiplier == 0.8
+    assert deployed.deployment_clients_per_round == 800
+    assert statement.sampling_probability == 8 * 100 / 4_000_000
+    assert (statement.population, statement.steps) == (4_000_000, 500)
+    assert (deployed.run.noise_multiplier, deployed.run.clients_per_round) == (
         0.1,
         100,
     )
@@ -63,13 +67,14 @@ def test_several_users_per_client_keep_replace_one_on_the_new_pool():
     pool = -(-1_000_003 // 4)  # ceil(users / k): 250_001 virtual clients.
     event = sampled_gaussian_run(5 * 50 / pool, 5 * 0.2, 300)
     expected = reference_epsilon(event, 1e-8, "pld", Relation.REPLACE_ONE)
-    assert deployed.epsilon == pytest.approx(expected, rel=1e-9)
-    assert deployed.neighboring_relation == "replace_one"
-    assert deployed.mechanism["users_per_client"] == 4
-    assert deployed.mechanism["pool_size"] == pool
+    statement = deployed.deployment
+    assert statement.epsilon == pytest.approx(expected, rel=1e-9)
+    assert statement.neighboring_relation == "replace_one"
+    assert statement.mechanism["users_per_client"] == 4
+    assert statement.mechanism["pool_size"] == pool
     # Add/remove would under-state it: the relation must not be dropped.
     add_remove = reference_epsilon(event, 1e-8, "pld", Relation.ADD_OR_REMOVE_ONE)
-    assert deployed.epsilon > add_remove
+    assert statement.epsilon > add_remove
     with pytest.raises(privacy.UnsupportedMechanismError):
         privacy.simulated_deployment(
             run,
@@ -92,10 +97,14 @@ def test_scale_one_on_the_run_population_is_the_run_itself(num_clients):
         run, 0.9, 400, scale=1, deployment_users=20_000, delta=1e-6, clip_norm=0.5
     )
     for field in dataclasses.fields(privacy.PrivacyStatement):
-        assert getattr(same, field.name) == getattr(own, field.name), field.name
-    assert same.mechanism == own.mechanism
+        value = getattr(same.deployment, field.name)
+        assert value == getattr(own, field.name), field.name
+    assert same.deployment.mechanism == own.mechanism
     assert privacy.deployment_schedule(run, 1, 20_000) == run
     assert same.summary().startswith("Simulated deployment")
+    # s = 1: the run's own ε is computed like the deployment's (PLD), and is it.
+    assert same.run_epsilon == own.epsilon
+    assert same.run.epsilon_accountant == "pld"
 
 
 def test_it_is_never_shown_or_read_back_as_the_run_own_guarantee():
@@ -103,20 +112,147 @@ def test_it_is_never_shown_or_read_back_as_the_run_own_guarantee():
     deployed = privacy.simulated_deployment(
         run, 0.05, 200, scale=20, deployment_users=10_000_000, delta=1e-8
     )
+    # Composition, not inheritance: nothing takes it for a PrivacyStatement.
+    assert not isinstance(deployed, privacy.PrivacyStatement)
+    assert not hasattr(deployed, "epsilon")
+    assert isinstance(deployed.deployment, privacy.PrivacyStatement)
     summary = deployed.summary()
     first_line = summary.splitlines()[0]
     assert first_line.startswith("Simulated deployment (NOT this run's guarantee)")
-    for shown in ("s = 20", "noise multiplier 1 ", "2000 clients per round"):
+    for shown in ("s = 20", "noise multiplier 1 ", "2,000 clients per round"):
         assert shown in summary
     for shown in ("10,000,000 users", "noise multiplier 0.05", "100 clients"):
         assert shown in summary
     assert "PLD accountant" in summary
     assert "SIMULATED DEPLOYMENT" in str(deployed).splitlines()[0]
     data = json.loads(deployed.to_json())
+    assert set(data) == {
+        "kind",
+        "scale",
+        "deployment_clients_per_round",
+        "deployment",
+        "run",
+    }
     assert data["kind"] == "simulated_deployment" and data["scale"] == 20
+    assert "epsilon" not in data  # The deployment's ε is under "deployment".
+    assert data["deployment"]["epsilon"] == deployed.deployment.epsilon
+    assert data["run"]["epsilon"] == deployed.run_epsilon
     assert privacy.DeploymentStatement.from_json(deployed.to_json()) == deployed
-    with pytest.raises(TypeError, match="kind"):
+    with pytest.raises(ValueError, match="DeploymentStatement"):
         privacy.PrivacyStatement.from_json(deployed.to_json())
+    with pytest.raises(ValueError, match="DeploymentStatement"):
+        privacy.PrivacyStatement.from_dict(data)
+    # The flat form of earlier versions (kind next to epsilon) is refused too.
+    flat = {**data["deployment"], "kind": "simulated_deployment", "scale": 20}
+    with pytest.raises(ValueError, match="DeploymentStatement"):
+        privacy.PrivacyStatement.from_dict(flat)
+    with pytest.raises(ValueError, match="kind='simulated_deployment'"):
+        privacy.DeploymentStatement.from_dict(data["deployment"])
+    # The deployment's own statement still round-trips as a PrivacyStatement.
+    own = privacy.PrivacyStatement.from_dict(data["deployment"])
+    assert own == deployed.deployment
+
+
+def test_run_epsilon_is_the_run_own_rdp_epsilon_at_the_same_delta():
+    run = privacy.Schedule.virtual_clients(100_000, 100)
+    deployed = privacy.simulated_deployment(
+        run, 0.05, 200, scale=20, deployment_users=10_000_000, delta=1e-8
+    )
+    event = sampled_gaussian_run(100 / 100_000, 0.05, 200)
+    expected = reference_epsilon(event, 1e-8, "rdp", Relation.ADD_OR_REMOVE_ONE)
+    assert deployed.run_epsilon == pytest.approx(expected, rel=1e-9)
+    assert deployed.run_epsilon > 100 * deployed.deployment.epsilon
+    assert deployed.run.epsilon_accountant == "rdp"
+    label = "this run's own guarantee"
+    shown = f"ε = {deployed.run_epsilon:.4g} at δ = 1e-08 (RDP accountant)"
+    assert f"This run's own guarantee: {shown}." in deployed.summary()
+    assert (f"ε of the run ({label})", shown) in deployed.rows()
+    run_data = json.loads(deployed.to_json())["run"]
+    assert run_data["epsilon"] == deployed.run_epsilon
+    assert label in run_data["epsilon_note"]
+
+
+def test_run_epsilon_of_a_noiseless_run_is_infinite_and_survives_json():
+    run = privacy.Schedule.virtual_clients(1_000, 10)
+    deployed = privacy.simulated_deployment(
+        run, 0.0, 5, scale=2, deployment_users=2_000, delta=1e-4
+    )
+    assert deployed.run_epsilon == float("inf")
+    assert json.loads(deployed.to_json())["run"]["epsilon"] is None
+    back = privacy.DeploymentStatement.from_json(deployed.to_json())
+    assert back.run_epsilon == float("inf") and back == deployed
+    assert "ε = ∞: NO guarantee" in deployed.summary()
+
+
+def test_run_epsilon_of_replace_one_is_not_computed_unless_cheap():
+    run = privacy.Schedule.virtual_clients(20_000, 50, users_per_client=4)
+    deployed = privacy.simulated_deployment(
+        run, 0.2, 30, scale=5, deployment_users=1_000_000, delta=1e-8
+    )
+    # RDP has no model of it and PLD at the run's small z may not finish.
+    assert deployed.run_epsilon is None and deployed.run.epsilon_accountant is None
+    assert "This run's own guarantee: not computed" in deployed.summary()
+    run_data = json.loads(deployed.to_json())["run"]
+    assert run_data["epsilon"] is None and run_data["epsilon_accountant"] is None
+    back = privacy.DeploymentStatement.from_json(deployed.to_json())
+    assert back.run_epsilon is None and back == deployed
+    # s = 1: the run has the deployment's z, so PLD costs what it did there.
+    same_noise = privacy.simulated_deployment(
+        run, 1.0, 30, scale=1, deployment_users=40_000, delta=1e-8
+    )
+    event = sampled_gaussian_run(50 / 5_000, 1.0, 30)
+    expected = reference_epsilon(event, 1e-8, "pld", Relation.REPLACE_ONE)
+    assert same_noise.run_epsilon == pytest.approx(expected, rel=1e-9)
+    assert same_noise.deployment.epsilon < same_noise.run_epsilon
+
+
+def test_every_deployment_row_is_labelled_and_counts_are_integers():
+    run = privacy.Schedule.virtual_clients(160_000, 2048)
+    deployed = privacy.simulated_deployment(
+        run,
+        0.02,
+        10,
+        scale=640,
+        deployment_users=100_000_000,
+        delta=1e-9,
+        accountant="rdp",
+    )
+    rows = deployed.rows()
+    deployment_fields = [field for field, _ in deployed.deployment.rows()]
+    for field in deployment_fields:
+        assert (field + " (deployment)") in [name for name, _ in rows]
+    assert not any(name in deployment_fields for name, _ in rows)
+    assert ("clients per round (deployment)", "1,310,720") in rows
+    assert "1,310,720 clients per round" in deployed.summary()
+    assert "e+" not in deployed.summary().split("The deployment")[0]
+    odd = privacy.simulated_deployment(
+        run,
+        0.9,
+        10,
+        scale=1.2345678,
+        deployment_users=200_000,
+        delta=1e-6,
+        accountant="rdp",
+    )
+    assert "scale s = 1.2345678," in odd.summary()
+    assert f"{1.2345678 * 2048:.10g} clients per round" in odd.summary()
+
+
+def test_non_integer_clients_per_round_is_accounted_at_its_rate():
+    run = privacy.Schedule.virtual_clients(10_000, 33)
+    deployed = privacy.simulated_deployment(
+        run, 0.4, 50, scale=1.5, deployment_users=20_000, delta=1e-6
+    )
+    assert deployed.deployment_clients_per_round == 49.5
+    event = sampled_gaussian_run(49.5 / 20_000, 1.5 * 0.4, 50)
+    expected = reference_epsilon(event, 1e-6, "pld", Relation.ADD_OR_REMOVE_ONE)
+    assert deployed.deployment.epsilon == pytest.approx(expected, rel=1e-9)
+    assert "49.5 clients per round" in deployed.summary()
+
+
+def test_local_steps_are_carried_over():
+    run = privacy.Schedule.virtual_clients(10_000, 20, local_steps=3)
+    assert privacy.deployment_schedule(run, 4, 50_000).local_steps == 3
 
 
 def test_poster_dp_fedemb_row_0_02_x_64_is_3_90():
@@ -149,7 +285,7 @@ def test_poster_dp_fedemb_row_0_02_x_64_is_3_90():
         delta=1e-8,
         accountant="rdp",
     )
-    assert at_1e8.epsilon == pytest.approx(
+    assert at_1e8.deployment.epsilon == pytest.approx(
         reference_epsilon(event, 1e-8, "rdp", Relation.ADD_OR_REMOVE_ONE), rel=1e-9
     )
 
@@ -166,15 +302,14 @@ def test_poster_dp_fedavg_row_0_015_x_64_is_not_5_62_on_the_same_schedule():
     assert event == sampled_gaussian_run(POSTER_Q, 64 * 0.015, POSTER_ROUNDS)
     rdp = reference_epsilon(event, POSTER_DELTA, "rdp", Relation.ADD_OR_REMOVE_ONE)
     assert round(rdp, 2) == 6.51
-    # Replace-one only makes it larger; 2360 rounds at this q would give 5.62.
+    # Replace-one only makes it larger; 2360 rounds at this q would give 5.62
+    # (the docs say 5.618).
     shorter = sampled_gaussian_run(POSTER_Q, 64 * 0.015, 2_360)
-    assert (
-        round(
-            reference_epsilon(shorter, POSTER_DELTA, "rdp", Relation.ADD_OR_REMOVE_ONE),
-            2,
-        )
-        == 5.62
+    shorter_epsilon = reference_epsilon(
+        shorter, POSTER_DELTA, "rdp", Relation.ADD_OR_REMOVE_ONE
     )
+    assert round(shorter_epsilon, 2) == 5.62
+    assert round(shorter_epsilon, 3) == 5.618
 
 
 @pytest.mark.parametrize(
@@ -187,7 +322,7 @@ def test_poster_dp_fedavg_row_0_015_x_64_is_not_5_62_on_the_same_schedule():
             {"deployment_users": 30_000, "scale": 1_000},
             r"q = 1\.667 > 1.*deployment_users >= 50000",
         ),
-        ({"deployment_clients": 100}, r"from 100 .*scale <= 2"),
+        ({"deployment_clients": 100}, r"deployment_clients=100 with one user"),
         ({"noise_multiplier": -1.0}, "noise_multiplier must be >= 0"),
         ({"delta": 1e-5}, "not below 1/population"),
     ],
@@ -237,7 +372,7 @@ def test_the_poster_table_of_the_docs(z, rdp_1e7, pld_1e7, rdp_1e8, pld_1e8):
             deployment_users=10_000_000,
             delta=1e-8,
             accountant=method,
-        ).epsilon
+        ).deployment.epsilon
         theirs = reference_epsilon(event, 1e-8, method, add_remove)
         assert ours == pytest.approx(theirs, rel=1e-9)
         assert round(ours, 2) == figure
@@ -251,3 +386,79 @@ def test_the_docs_alternatives_for_the_dp_fedavg_row():
     )
     other_run = sampled_gaussian_run(2000 * 64 / 1e7, 64 * 0.015, 2_500)
     assert round(reference_epsilon(other_run, 1e-7, "rdp", add_remove), 2) == 5.63
+
+
+def test_deployment_clients_is_checked_first_against_its_range():
+    run = privacy.Schedule.virtual_clients(20_000, 50, users_per_client=4)
+    # 1_000_000 users in clients of <= 4 make 250_000 to 1_000_000 clients;
+    # each of these would also fail q <= 1 (s·M = 5_000): the range comes first.
+    for clients in (249_999, 1_000_001, 100):
+        with pytest.raises(ValueError, match=r"outside \[250000, 1000000\]"):
+            privacy.deployment_schedule(run, 100, 1_000_000, deployment_clients=clients)
+    for clients in (250_000, 1_000_000):
+        deployed = privacy.deployment_schedule(
+            run, 100, 1_000_000, deployment_clients=clients
+        )
+        assert deployed.pool_size == clients
+    one = privacy.Schedule.virtual_clients(20_000, 50)
+    with pytest.raises(ValueError, match="exactly 1000000 clients"):
+        privacy.deployment_schedule(one, 1e6, 1_000_000, deployment_clients=999_999)
+    assert privacy.deployment_schedule(
+        one, 2, 1_000_000, deployment_clients=1_000_000
+    ) == privacy.deployment_schedule(one, 2, 1_000_000)
+
+
+def _hinted(message, name):
+    return float(
+        re.search(rf"{name} (?:>=|<=) ([0-9]+(?:\.[0-9]+)?)", message).group(1)
+    )
+
+
+@pytest.mark.parametrize(
+    ("clients_per_round", "users_per_client", "scale"),
+    [(50.001, 4, 3.0), (33, 1, 12.5), (50, 3, 4.1)],
+)
+def test_the_q_above_one_hints_are_right(clients_per_round, users_per_client, scale):
+    run = privacy.Schedule.virtual_clients(
+        400, clients_per_round, users_per_client=users_per_client
+    )
+    pool = run.pool_size
+    with pytest.raises(ValueError, match="q = ") as error:
+        privacy.deployment_schedule(run, scale, 400)
+    message = str(error.value)
+    users = _hinted(message, "deployment_users")
+    assert users == math.ceil(scale * clients_per_round) * users_per_client
+    privacy.deployment_schedule(run, scale, int(users))  # The hint works,
+    with pytest.raises(ValueError, match="q = "):  # and one client fewer does not.
+        privacy.deployment_schedule(run, scale, int(users) - users_per_client)
+    largest = _hinted(message, "scale")
+    assert largest * clients_per_round <= pool  # Rounded down, never up.
+    privacy.deployment_schedule(run, largest, 400)
+    assert largest > 0.999 * pool / clients_per_round
+
+
+def test_the_q_above_one_hint_names_deployment_clients_when_it_is_given():
+    run = privacy.Schedule.virtual_clients(2_000, 50.5, users_per_client=4)
+    with pytest.raises(ValueError, match="q = ") as error:
+        privacy.deployment_schedule(run, 10, 2_000, deployment_clients=500)
+    message = str(error.value)
+    assert _hinted(message, "deployment_clients") == 505
+    assert "Use deployment_clients >= 505, or scale <= " in message
+    assert _hinted(message, "scale") * 50.5 <= 500
+    privacy.deployment_schedule(run, 10, 2_000, deployment_clients=505)
+
+
+def test_a_public_run_pool_is_not_guessed_for_another_population():
+    run = privacy.Schedule.virtual_clients(
+        20_000, 50, users_per_client=3, num_clients=7_000
+    )
+    assert privacy.deployment_schedule(run, 2, 20_000).pool_size == 7_000
+    # One more user must not switch the pool to ceil(N'/k) = 6_667.
+    with pytest.raises(ValueError, match=r"num_clients.*pass deployment_clients"):
+        privacy.deployment_schedule(run, 2, 20_001)
+    with pytest.raises(ValueError, match=r"\[33334, 100000\] \(e\.g\. 35000 "):
+        privacy.simulated_deployment(
+            run, 0.1, 10, scale=2, deployment_users=100_000, delta=1e-6
+        )
+    deployed = privacy.deployment_schedule(run, 2, 20_001, deployment_clients=7_001)
+    assert deployed.pool_size == 7_001
