@@ -14,7 +14,13 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb.errors import DataDependentScheduleWarning
-from kdpemb.models import backbone_checks, backends, fedemb_round, private_state
+from kdpemb.models import (
+    backbone_checks,
+    backends,
+    fedemb_round,
+    privacy_plan,
+    private_state,
+)
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import Schedule, gaussian_sum, protocol
@@ -37,6 +43,9 @@ _FROZEN_SETTINGS = frozenset(
         "embedding_dim",
         "log_local_loss",
         "log_nonfinite_updates",
+        "target_epsilon",
+        "planned_steps",
+        "calibrated_noise_multiplier",
     }
 )
 HEAD_INITS = ("zeros", "random")
@@ -167,7 +176,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             the head, backbone frozen. Must be below the schedule's
             `local_steps`.
         clip_norm: float. C.
-        noise_multiplier: float. z (0 for no noise).
+        noise_multiplier: float. z (0 for no noise). Give this or
+            `target_epsilon`; with `target_epsilon` it is the calibrated z
+            (None until the first fit).
         schedule: `kdpemb.privacy.Schedule` or None. The rounds' schedule
             (`clients.schedule`, or `Schedule.virtual_clients(...)`). None
             (the default) takes it from the `VirtualClients` of the first
@@ -190,6 +201,20 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             zeroed), to debug divergence. Computed on private data without
             noise (one user's extreme pixel can flip it): not covered by
             the guarantee. Defaults to False.
+        target_epsilon: float or None. Instead of `noise_multiplier`:
+            the first `fit` calibrates the smallest z that keeps the
+            planned rounds within (target_epsilon, delta)-DP (needs
+            `delta`), prints it unless `verbose=0`, and sets
+            `noise_multiplier`. Every later fit may only take the planned
+            rounds not yet taken: one that would go past them is refused
+            before any round (`PrivacyBudgetExhaustedError`). Saved with
+            the model, with the plan.
+        planned_steps: int or None. The rounds `target_epsilon` is spent
+            over. None (the default) plans the first fit's rounds
+            (epochs × rounds per epoch); give it to train over several
+            fits.
+        calibrated_noise_multiplier: set by the first fit and saved with
+            the model; not for you to pass.
 
     Example:
 
@@ -223,13 +248,16 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         head_init="zeros",
         reconstruction_steps=0,
         clip_norm=1.0,
-        noise_multiplier,
+        noise_multiplier=None,
         schedule=None,
         delta=None,
         client_parallelism=None,
         seed=None,
         log_local_loss=False,
         log_nonfinite_updates=False,
+        target_epsilon=None,
+        planned_steps=None,
+        calibrated_noise_multiplier=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -261,8 +289,19 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.client_optimizer = _client_sgd(client_optimizer)
         self.head_lr_scale = validation.check_positive(head_lr_scale, "head_lr_scale")
         self.clip_norm = validation.check_positive(clip_norm, "clip_norm")
-        self.noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
         self.delta = None if delta is None else validation.check_delta(delta)
+        (
+            self.noise_multiplier,
+            self.target_epsilon,
+            self.planned_steps,
+            self.calibrated_noise_multiplier,
+        ) = privacy_plan.check_settings(
+            noise_multiplier,
+            target_epsilon,
+            self.delta,
+            planned_steps,
+            calibrated_noise_multiplier,
+        )
         if client_parallelism not in (None, "all"):
             client_parallelism = validation.check_positive_int(
                 client_parallelism, "client_parallelism"
@@ -372,9 +411,14 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def privacy_mechanism(self):
         """The user-level mechanism of one round (`kdpemb.privacy`)."""
-        return self._known_schedule().privacy_mechanism(
-            self.noise_multiplier, self.clip_norm
-        )
+        schedule = self._known_schedule()
+        if self.noise_multiplier is None:
+            raise ValueError(
+                f"The noise for target_epsilon={self.target_epsilon} is "
+                "calibrated at the first fit, over the rounds it plans: fit "
+                "the model first."
+            )
+        return schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
 
     def privacy_statement(self, delta=None, accountant="pld"):
         """The `PrivacyStatement` (unit: user) of the rounds taken so far.
@@ -459,8 +503,18 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 _check_round_steps(steps, self._schedule.local_steps)
             _check_rows_split(rows)
             self._head_columns = None
+        arguments = privacy_plan.fit_arguments(args, kwargs)
+        verbose = privacy_plan.is_verbose(arguments)
+        if self.target_epsilon is not None:
+            self._plan_budget(privacy_plan.fit_steps(x, arguments, _known_length), verbose)
         self._reseed()
         schedule = self._schedule
+        if verbose and self.train_function is None:
+            print(
+                "FedEmbModel: compiling the round (the first round waits for "
+                "it; about a minute on a CPU)…",
+                flush=True,
+            )
         if not schedule.pool_is_public:
             warnings.warn(
                 f"The schedule's {schedule.pool_size} virtual clients are "
@@ -473,6 +527,44 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 stacklevel=2,
             )
         return super().fit(x, *args, **kwargs)
+
+    def _plan_budget(self, steps, verbose):
+        """With a `target_epsilon`: calibrates the noise at the first fit (over
+        `planned_steps`, or this fit's `steps`), then refuses a fit of
+        `steps` rounds that would go past the plan, before any round."""
+        if steps is None:
+            raise ValueError(
+                "With target_epsilon, fit must know how many rounds it runs, "
+                "and this round source does not say (unknown or infinite "
+                "length): pass steps_per_epoch, or fit on VirtualClients or "
+                "their to_tf_dataset()."
+            )
+        if self.calibrated_noise_multiplier is None:
+            planned = self.planned_steps or steps
+            schedule = self._known_schedule()
+            z = privacy_plan.calibrate(
+                schedule.privacy_mechanism(1.0),
+                planned,
+                self.target_epsilon,
+                self.delta,
+                verbose,
+                "FedEmbModel",
+            )
+            with self._settings_unfrozen():
+                self.planned_steps = planned
+                self.calibrated_noise_multiplier = z
+                self.noise_multiplier = z
+        privacy_plan.check_budget(self, steps)
+
+    def train_on_batch(self, *args, **kwargs):
+        if self.target_epsilon is not None:
+            if self.calibrated_noise_multiplier is None:
+                raise ValueError(
+                    "A FedEmbModel with target_epsilon calibrates its noise at "
+                    "its first fit, over the rounds it plans: fit it first."
+                )
+            privacy_plan.check_budget(self, 1)
+        return super().train_on_batch(*args, **kwargs)
 
     def _check_clients(self, clients):
         """Checks the model against its `VirtualClients`, then adopts their
@@ -623,7 +715,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "head_init": self.head_init,
             "reconstruction_steps": self.reconstruction_steps,
             "clip_norm": self.clip_norm,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier": (
+                None if self.target_epsilon is not None else self.noise_multiplier
+            ),
             "schedule": None if self._schedule is None else self._schedule.get_config(),
             "delta": self.delta,
             "client_parallelism": self.client_parallelism,
@@ -631,6 +725,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "log_nonfinite_updates": self.log_nonfinite_updates,
             # A reloaded model draws fresh noise: never reuse the seed.
             "seed": None,
+            "target_epsilon": self.target_epsilon,
+            "planned_steps": self.planned_steps,
+            "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
         }
 
     @classmethod
