@@ -21,9 +21,7 @@ Traceback (most recent call last):
 ValueError: Pass exactly one of noise_multiplier and target_epsilon (with delta); got noise_multiplier=1.0, target_epsilon=2.0.
 """  # noqa: E501
 
-import contextlib
 import inspect
-import logging
 
 import keras
 
@@ -31,13 +29,6 @@ from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.privacy import protocol
-
-# dp-accounting's RDP accountant logs this (through absl) for every
-# fractional order it cannot evaluate at small noise, and drops the order:
-# the ε it returns is still an upper bound. A calibration evaluates many
-# small multipliers on its way, so it would print dozens of such lines.
-_RDP_ORDER_MESSAGE = "_compute_log_a_frac failed to converge"
-
 
 def check_settings(noise_multiplier, target_epsilon, delta, planned, calibrated):
     """`(noise_multiplier, target_epsilon, planned_steps, calibrated)`, checked.
@@ -109,21 +100,6 @@ def is_verbose(arguments):
     return arguments.get("verbose", "auto") not in (0, False)
 
 
-@contextlib.contextmanager
-def quiet_rdp_orders():
-    """Mutes dp-accounting's "failed to converge" line for dropped RDP orders."""
-    logger = logging.getLogger("absl")
-
-    def keep(record):
-        return not str(record.msg).startswith(_RDP_ORDER_MESSAGE)
-
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
-
-
 def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner):
     """The noise multiplier of `mechanism` that spends `target_epsilon` at
     `delta` over `planned` steps (`kdpemb.privacy.calibrate_noise_multiplier`);
@@ -134,10 +110,9 @@ def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner):
             f"δ = {delta:g} over {planned} rounds…",
             flush=True,
         )
-    with quiet_rdp_orders():
-        z = privacy.calibrate_noise_multiplier(
-            mechanism, planned, delta, target_epsilon=target_epsilon
-        )
+    z = privacy.calibrate_noise_multiplier(
+        mechanism, planned, delta, target_epsilon=target_epsilon
+    )
     if verbose:
         print(f"{owner}: noise multiplier {z:.4g}.", flush=True)
     return float(z)
