@@ -506,7 +506,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         arguments = privacy_plan.fit_arguments(args, kwargs)
         verbose = privacy_plan.is_verbose(arguments)
         if self.target_epsilon is not None:
-            self._plan_budget(privacy_plan.fit_steps(x, arguments, _known_length), verbose)
+            self._plan_budget(
+                privacy_plan.fit_steps(x, arguments, _known_length), verbose
+            )
         self._reseed()
         schedule = self._schedule
         if verbose and self.train_function is None:

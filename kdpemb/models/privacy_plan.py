@@ -30,6 +30,7 @@ from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.privacy import protocol
 
+
 def check_settings(noise_multiplier, target_epsilon, delta, planned, calibrated):
     """`(noise_multiplier, target_epsilon, planned_steps, calibrated)`, checked.
 

@@ -151,7 +151,9 @@ def calibrate_noise_multiplier(
     if not 0 < rtol < 0.5:
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
     with quiet_dropped_rdp_orders():
-        return _calibrate(mechanism, steps, delta, target, accountant, z_min, z_max, rtol)
+        return _calibrate(
+            mechanism, steps, delta, target, accountant, z_min, z_max, rtol
+        )
 
 
 def _calibrate(mechanism, steps, delta, target, accountant, z_min, z_max, rtol):

@@ -7,7 +7,6 @@ import keras
 import numpy as np
 import pytest
 
-from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models import FedEmbModel
 from kdpemb.privacy import protocol
@@ -142,5 +141,3 @@ def test_an_unsized_round_source_is_refused_with_a_target():
     with pytest.raises(ValueError, match="steps_per_epoch"):
         model.fit(endless(), epochs=1, verbose=0)
     assert model.noise_multiplier is None
-
-
