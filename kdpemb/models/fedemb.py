@@ -23,7 +23,13 @@ from kdpemb.models import (
 )
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
-from kdpemb.privacy import Schedule, gaussian_sum, protocol
+from kdpemb.privacy import (
+    AdaptiveClipping,
+    Schedule,
+    gaussian_sum,
+    protocol,
+    quantile_clip,
+)
 
 AGGREGATIONS = ("partial", "full")
 _FROZEN_SETTINGS = frozenset(
@@ -46,6 +52,7 @@ _FROZEN_SETTINGS = frozenset(
         "target_epsilon",
         "planned_steps",
         "calibrated_noise_multiplier",
+        "adaptive_clipping",
     }
 )
 HEAD_INITS = ("zeros", "random")
@@ -175,7 +182,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         reconstruction_steps: int. First local batches that train only
             the head, backbone frozen. Must be below the schedule's
             `local_steps`.
-        clip_norm: float. C.
+        clip_norm: float. C (the initial C with `adaptive_clipping`).
         noise_multiplier: float. z (0 for no noise). Give this or
             `target_epsilon`; with `target_epsilon` it is the calibrated z
             (None until the first fit).
@@ -215,6 +222,16 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             fits.
         calibrated_noise_multiplier: set by the first fit and saved with
             the model; not for you to pass.
+        adaptive_clipping: `kdpemb.privacy.AdaptiveClipping` or None.
+            Adaptive quantile clipping (Andrew et al. 2021): `clip_norm` is
+            the initial C, and every round moves C (the model variable
+            `current_clip_norm`, logged as `clip_norm`) towards the
+            `target_quantile` of the sampled clients' update norms, from
+            their count within C plus Gaussian noise σ_b. The round's
+            noise is z · (its C). The count costs privacy: the round is
+            accounted as one Gaussian of multiplier
+            z_eff = (z⁻² + (2σ_b)⁻²)^(-1/2) < z (`privacy_mechanism()`);
+            with `target_epsilon` it is z_eff that is calibrated.
 
     Example:
 
@@ -258,6 +275,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         target_epsilon=None,
         planned_steps=None,
         calibrated_noise_multiplier=None,
+        adaptive_clipping=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -344,9 +362,26 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.private_steps = private_state.add_private_steps(self)
         self._head_columns = None
         self.seed = seed
-        self.noise_seed, self.head_seed = private_state.noise_seed_generators(
-            seed, ("noise_seed", "head_seed"), "FedEmbModel"
+        self.adaptive_clipping = (
+            None
+            if adaptive_clipping is None
+            else AdaptiveClipping.from_config(adaptive_clipping)
         )
+        names = ("noise_seed", "head_seed")
+        if self.adaptive_clipping is not None:
+            # C is model state: saved, restored, and moved by every round.
+            self.current_clip_norm = self.add_weight(
+                shape=(),
+                initializer=keras.initializers.Constant(self.clip_norm),
+                trainable=False,
+                aggregation="only_first_replica",
+                name="current_clip_norm",
+            )
+            names += ("count_seed",)  # The count's noise: its own stream.
+        generators = private_state.noise_seed_generators(seed, names, "FedEmbModel")
+        self.noise_seed, self.head_seed = generators[:2]
+        if self.adaptive_clipping is not None:
+            self.count_seed = generators[2]
         self.built = True
         self._freeze_settings()
 
@@ -354,7 +389,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         # With seed=None the noise comes from OS entropy, drawn afresh at
         # construction and at every fit, so no generator state anyone has
         # seen (a copied model, a checkpoint) predicts later noise.
-        private_state.reseed([self.noise_seed, self.head_seed], self.seed)
+        generators = [self.noise_seed, self.head_seed]
+        if self.adaptive_clipping is not None:
+            generators.append(self.count_seed)
+        private_state.reseed(generators, self.seed)
 
     # ------------------------------------------------------- schedule --
 
@@ -418,7 +456,15 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 "calibrated at the first fit, over the rounds it plans: fit "
                 "the model first."
             )
-        return schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
+        if self.adaptive_clipping is None:
+            return schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
+        # The update sum and the count are one Gaussian of multiplier z_eff;
+        # C changes every round, so the statement names none.
+        return schedule.privacy_mechanism(
+            self.adaptive_clipping.effective_noise_multiplier(
+                self.noise_multiplier, schedule.sample_size
+            )
+        )
 
     def privacy_statement(self, delta=None, accountant="pld"):
         """The `PrivacyStatement` (unit: user) of the rounds taken so far.
@@ -552,6 +598,17 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 verbose,
                 "FedEmbModel",
             )
+            if self.adaptive_clipping is not None:
+                # z is the round's z_eff: what the count leaves to the update.
+                clients = schedule.sample_size
+                z = self.adaptive_clipping.update_noise_multiplier(z, clients)
+                if verbose:
+                    sigma = self.adaptive_clipping.count_stddev_for(clients)
+                    print(
+                        f"FedEmbModel: with the count's noise σ_b = {sigma:.4g}, "
+                        f"the update's noise multiplier is {z:.4g}.",
+                        flush=True,
+                    )
             with self._settings_unfrozen():
                 self.planned_steps = planned
                 self.calibrated_noise_multiplier = z
@@ -632,10 +689,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             full_aggregation=self.aggregation == "full",
         )
 
-    def _round(self, data):
+    def _round_inputs(self, data, local_steps, head_columns=None):
+        """`(trainer, theta, non_trainable, heads, data)` of a round: the
+        local training as the model runs it, from the server's weights."""
         plumbing = backends.current()
-        schedule = self._known_schedule()
-        data = _check_round(data, schedule.local_steps)
         num_rows = data["images"].shape[0]
         config = self._round_config(num_rows)
         trainer = fedemb_round.ClientTrainer(
@@ -653,22 +710,48 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 ),
             )
         else:
-            columns = self._head_columns or (
-                data["labels"].shape[-1] * schedule.local_steps
-            )
+            columns = head_columns or (data["labels"].shape[-1] * local_steps)
             shape = (ops.shape(data["images"])[0], self.embedding_dim, columns)
             heads = (
                 fedemb_round.random_heads(shape, self.head_seed)
                 if self.head_init == "random"
                 else ops.zeros(shape, "float32")
             )
-        result = fedemb_round.run_round(trainer, theta, non_trainable, heads, data)
+        return trainer, theta, non_trainable, heads, data
+
+    def _round(self, data):
+        plumbing = backends.current()
+        schedule = self._known_schedule()
+        data = _check_round(data, schedule.local_steps)
+        trainer, theta, non_trainable, heads, data = self._round_inputs(
+            data, schedule.local_steps, self._head_columns
+        )
+        adaptive = self.adaptive_clipping is not None
+        # Adaptive clipping: this round clips to, and noises with, the C
+        # before the round's update of C.
+        clip_norm = self.current_clip_norm.value if adaptive else None
+        result = fedemb_round.run_round(
+            trainer, theta, non_trainable, heads, data, clip_norm=clip_norm
+        )
 
         clipped = result.clipped
         noise = gaussian_sum.gaussian_noise(
             clipped, self.noise_multiplier, self.noise_seed
         )
         share = plumbing.noise_share()
+        if adaptive:
+            clients = schedule.sample_size
+            count_noise = quantile_clip.count_noise(
+                self.adaptive_clipping.count_stddev_for(clients), self.count_seed
+            )
+            noisy_count = plumbing.replica_sum(
+                quantile_clip.centred_count(clipped) + share * count_noise
+            )
+            self.current_clip_norm.assign(
+                quantile_clip.next_clip_norm(
+                    clip_norm, noisy_count, clients, self.adaptive_clipping
+                )
+            )
         mean_update = [
             (total + share * n) / schedule.sample_size
             for total, n in zip(clipped.total, noise, strict=True)
@@ -683,6 +766,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
         # Only opted-in logs are computed from private data without noise.
         logs = {"private_steps": self.private_steps.value}
+        if adaptive:  # Computed from the noisy count only.
+            logs["clip_norm"] = self.current_clip_norm.value
         if self.log_nonfinite_updates:
             logs["nonfinite_updates"] = plumbing.replica_sum(clipped.num_nonfinite)
         if self.log_local_loss:
@@ -730,6 +815,11 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "target_epsilon": self.target_epsilon,
             "planned_steps": self.planned_steps,
             "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
+            "adaptive_clipping": (
+                None
+                if self.adaptive_clipping is None
+                else self.adaptive_clipping.get_config()
+            ),
         }
 
     @classmethod
