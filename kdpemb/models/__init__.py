@@ -7,6 +7,7 @@ from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
 from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
+from kdpemb.models.clip_suggestions import suggest_clip_norm, suggest_feature_clip_norm
 from kdpemb.models.dp_sgd_head import dense_gradient_norms
 from kdpemb.models.fedemb import FedEmbModel
 from kdpemb.models.last_layer import ClipFeatures, LastLayerDPClassifier
@@ -19,4 +20,6 @@ __all__ = [
     "check_backbone",
     "dense_gradient_norms",
     "small_cnn",
+    "suggest_clip_norm",
+    "suggest_feature_clip_norm",
 ]
