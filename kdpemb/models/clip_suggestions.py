@@ -168,6 +168,10 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
     Returns:
         float: the suggested clip norm.
 
+    Raises:
+        ValueError: if the quantile is 0 (e.g. rounds of one local step
+            from zero heads, where the backbone does not move).
+
     Example:
 
     >>> import keras
@@ -176,7 +180,8 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
     >>> from kdpemb.models import FedEmbModel
     >>> public = VirtualClients(synthetic_identities(8, 4, image_size=8),
     ...                         clients_per_round=2, users_per_client=2,
-    ...                         num_clients=4, batch_size=4, workers=1)
+    ...                         num_clients=4, local_steps=2, batch_size=4,
+    ...                         workers=1)
     >>> backbone = keras.Sequential([keras.Input((8, 8, 3)),
     ...                              keras.layers.Rescaling(1 / 255),
     ...                              keras.layers.Flatten(),
@@ -188,4 +193,13 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
     """
     quantile = _check_quantile(quantile)
     norms = client_update_norms(model, public_clients, rounds)
-    return _quantile(norms, quantile, "update")
+    suggestion = _quantile(norms, quantile, "update")
+    if suggestion <= 0:
+        raise ValueError(
+            f"The {quantile:g} quantile of the public clients' update norms is "
+            "0: their backbones did not move. With heads that start at zero "
+            "the backbone gets no gradient in the first local step (nor in "
+            "reconstruction steps): use local_steps >= reconstruction_steps + "
+            "2 in the rounds, or head_init='random'; or a higher quantile."
+        )
+    return suggestion

@@ -65,3 +65,12 @@ def test_virtual_clients_of_public_users_are_drawn_for_the_rounds_asked():
     )
     with pytest.raises(TypeError, match="FedEmbModel"):
         suggest_clip_norm(keras.Sequential([keras.Input((2,))]), clients)
+
+
+def test_rounds_where_the_backbone_cannot_move_are_refused():
+    # One local step from a zero head: no gradient reaches the backbone.
+    model = make_model(ref.linear_backbone(), compile=False, local_steps=1)
+    rounds = [ref.make_round(3, classes=(3, 2), steps=1)]
+    np.testing.assert_array_equal(client_update_norms(model, rounds), [0.0, 0.0])
+    with pytest.raises(ValueError, match="local_steps"):
+        suggest_clip_norm(model, rounds)
