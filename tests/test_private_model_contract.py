@@ -56,7 +56,7 @@ def fedemb_case(**privacy_settings):
     def fit(model, epochs, callbacks):
         return model.fit(clients, epochs=epochs, callbacks=callbacks, verbose=0)
 
-    name = "_".join(["fedemb", *privacy_settings])
+    name = "_".join(["fedemb", *privacy_settings][:2])
     return ContractCase(name, build, fit, 2, "user", 1e-3)
 
 
@@ -90,12 +90,21 @@ def last_layer_case(method):
     )  # fmt: skip
 
 
+def _adaptive_clipping():
+    from kdpemb.privacy import AdaptiveClipping
+
+    return AdaptiveClipping(count_stddev=1.0)
+
+
 CASES = {
     "toy_dp_regressor": toy_case,
     "fedemb": fedemb_case,
     # The contract's fits take 2 + 1 epochs of 2 rounds: plan 6 rounds.
     "fedemb_target_epsilon": lambda: fedemb_case(
         target_epsilon=20.0, delta=1e-3, planned_steps=6
+    ),
+    "fedemb_adaptive_clipping": lambda: fedemb_case(
+        adaptive_clipping=_adaptive_clipping(), noise_multiplier=1.0
     ),
     **{
         f"last_layer_{method}": (lambda m=method: last_layer_case(m))
