@@ -25,6 +25,7 @@ did) and a summary; `--output FILE` writes all of it as JSON.
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,10 +74,12 @@ class StudyConfig:
     client_lr: float = 0.01
     head_lr_scale: float = 100.0
     reconstruction_steps: int = 0
+    server_optimizer: str = "adam"  # or "sgd" (momentum 0.9)
     server_lr: float = 1e-3
     rounds: int = 300
     clip_norm: float = 1.0
     noise_multiplier: float = 0.01
+    adaptive_quantile: float = 0.0  # > 0: adaptive clipping from clip_norm.
     # The simulated deployment that states ε.
     deployment_scale: float = 256.0
     deployment_users: int = 10_000_000
@@ -112,7 +115,7 @@ def _log(record):
 class Study:
     """Data and the shared pretrained backbone of one seed."""
 
-    def __init__(self, config, seed):
+    def __init__(self, config, seed, pretrained_cache=None):
         import numpy as np
 
         from kdpemb.datasets import synthetic_identities
@@ -136,8 +139,11 @@ class Study:
             config.eval_images,
             first_identity=config.eval_first_identity,
         )[:2]
-        self._initial = None
         self._pretrained = None
+        self._cache = pretrained_cache
+        if pretrained_cache and os.path.exists(pretrained_cache):
+            with np.load(pretrained_cache) as weights:
+                self._pretrained = [weights[f"w{i}"] for i in range(len(weights))]
 
     def backbone(self):
         import keras
@@ -158,11 +164,14 @@ class Study:
         images, labels = self.held_out
         embeddings = backbone.predict(images, batch_size=512, verbose=0)
         values = recall_at_far(embeddings, labels, far=FARS)
-        return {f"recall@far={far:g}": float(v) for far, v in zip(FARS, values)}
+        return {
+            f"recall@far={far:g}": float(v) for far, v in zip(FARS, values, strict=True)
+        }
 
     def pretrained(self):
         """A fresh copy of the public-pretrained backbone (trained once)."""
         import keras
+        import numpy as np
 
         from kdpemb.models import pretrain
 
@@ -182,6 +191,10 @@ class Study:
                 verbose=0,
             )
             self._pretrained = backbone.get_weights()
+            if self._cache:
+                np.savez(
+                    self._cache, **{f"w{i}": w for i, w in enumerate(self._pretrained)}
+                )
         backbone = self.backbone()
         backbone.set_weights(self._pretrained)
         return backbone
@@ -215,6 +228,7 @@ class Study:
     def fedemb(self, aggregation, private, **overrides):
         import keras
 
+        from kdpemb import privacy
         from kdpemb.data import VirtualClients
         from kdpemb.models import FedEmbModel
 
@@ -246,33 +260,40 @@ class Study:
                 reconstruction_steps=cfg.reconstruction_steps,
                 clip_norm=cfg.clip_norm if private else 1e9,
                 noise_multiplier=cfg.noise_multiplier if private else 0.0,
+                adaptive_clipping=(
+                    privacy.AdaptiveClipping(target_quantile=cfg.adaptive_quantile)
+                    if private and cfg.adaptive_quantile
+                    else None
+                ),
                 seed=self.seed,
             )
-        model.compile(optimizer=keras.optimizers.Adam(cfg.server_lr))
+        server = (
+            keras.optimizers.SGD(cfg.server_lr, momentum=0.9)
+            if cfg.server_optimizer == "sgd"
+            else keras.optimizers.Adam(cfg.server_lr)
+        )
+        model.compile(optimizer=server)
         model.fit(clients, epochs=1, verbose=0)
         info = {"rounds": cfg.rounds}
+        if private and cfg.adaptive_quantile:
+            info["final clip norm"] = float(model.current_clip_norm.numpy())
         if private:
             info.update(self.deployment(model, cfg))
         return model.backbone, info
 
     def deployment(self, model, cfg):
-        from kdpemb import privacy
-
         delta = 0.1 / cfg.deployment_users
-        statement = privacy.simulated_deployment(
-            model.schedule,
-            model.noise_multiplier,
-            int(model.private_steps),
-            scale=cfg.deployment_scale,
-            deployment_users=cfg.deployment_users,
+        statement = model.simulated_deployment(
+            cfg.deployment_scale,
+            cfg.deployment_users,
             delta=delta,
+            deployment_clients=-(-cfg.deployment_users // cfg.users_per_client),
         )
         return {
-            "deployment epsilon": statement.epsilon,
+            "deployment epsilon": statement.deployment.epsilon,
             "deployment delta": delta,
-            "deployment noise multiplier": cfg.deployment_scale * cfg.noise_multiplier,
-            "deployment clients per round": cfg.deployment_scale
-            * cfg.clients_per_round,
+            "deployment noise multiplier": statement.deployment.noise_multiplier,
+            "deployment clients per round": statement.deployment_clients_per_round,
             "deployment users": cfg.deployment_users,
         }
 
@@ -305,7 +326,8 @@ def summarize(records):
         key = tuple(
             (k, v)
             for k, v in record.items()
-            if k not in ("seed", "seconds") and not k.startswith(("recall", "deploy"))
+            if k not in ("seed", "seconds", "final clip norm")
+            and not k.startswith(("recall", "deploy"))
         )
         groups.setdefault(key, []).append(record)
     summary = []
@@ -339,6 +361,9 @@ def main(argv=None):
         help="extra DP-FedEmb runs, e.g. users_per_client=1,16 local_steps=1,8",
     )
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--pretrained-cache", default=None, help=".npz of the pretrained weights"
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else StudyConfig()
     config = dataclasses.replace(config, **_parse(args.set))
@@ -346,7 +371,8 @@ def main(argv=None):
     _log({"config": dataclasses.asdict(config), "seeds": seeds})
     records = []
     for seed in seeds:
-        study = Study(config, seed)
+        cache = args.pretrained_cache and args.pretrained_cache.format(seed=seed)
+        study = Study(config, seed, cache)
         for method in args.methods:
             records.append(study.run(method))
             _log(records[-1])
@@ -360,7 +386,11 @@ def main(argv=None):
     if args.output:
         with open(args.output, "w") as file:
             json.dump(
-                {"config": dataclasses.asdict(config), "runs": records, "summary": summary},
+                {
+                    "config": dataclasses.asdict(config),
+                    "runs": records,
+                    "summary": summary,
+                },
                 file,
                 indent=1,
             )
@@ -374,7 +404,7 @@ def _parse(items, many=False):
         name, _, text = item.partition("=")
         if name not in fields:
             raise SystemExit(f"unknown setting {name!r}; one of {sorted(fields)}")
-        kind = fields[name] if fields[name] in (int, float) else float
+        kind = fields[name] if fields[name] in (int, float, str) else float
         values = [kind(v) for v in text.split(",")]
         parsed[name] = values if many else values[0]
     return parsed

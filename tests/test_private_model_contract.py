@@ -24,7 +24,7 @@ def toy_case():
     return ContractCase("toy_dp_regressor", build, fit, 3, "example", 1e-3)
 
 
-def fedemb_case():
+def fedemb_case(**privacy_settings):
     from kdpemb.data import VirtualClients
     from kdpemb.datasets import synthetic_identities
     from kdpemb.models import FedEmbModel
@@ -48,7 +48,7 @@ def fedemb_case():
         )
         model = FedEmbModel(
             backbone, schedule=clients.schedule, clip_norm=1.0,
-            noise_multiplier=1.0, client_parallelism=1,
+            client_parallelism=1, **(privacy_settings or {"noise_multiplier": 1.0}),
         )  # fmt: skip
         model.compile()
         return model
@@ -56,7 +56,8 @@ def fedemb_case():
     def fit(model, epochs, callbacks):
         return model.fit(clients, epochs=epochs, callbacks=callbacks, verbose=0)
 
-    return ContractCase("fedemb", build, fit, 2, "user", 1e-3)
+    name = "_".join(["fedemb", *privacy_settings][:2])
+    return ContractCase(name, build, fit, 2, "user", 1e-3)
 
 
 def last_layer_case(method):
@@ -89,9 +90,22 @@ def last_layer_case(method):
     )  # fmt: skip
 
 
+def _adaptive_clipping():
+    from kdpemb.privacy import AdaptiveClipping
+
+    return AdaptiveClipping(count_stddev=1.0)
+
+
 CASES = {
     "toy_dp_regressor": toy_case,
     "fedemb": fedemb_case,
+    # The contract's fits take 2 + 1 epochs of 2 rounds: plan 6 rounds.
+    "fedemb_target_epsilon": lambda: fedemb_case(
+        target_epsilon=20.0, delta=1e-3, planned_steps=6
+    ),
+    "fedemb_adaptive_clipping": lambda: fedemb_case(
+        adaptive_clipping=_adaptive_clipping(), noise_multiplier=1.0
+    ),
     **{
         f"last_layer_{method}": (lambda m=method: last_layer_case(m))
         for method in ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")

@@ -7,6 +7,7 @@ from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
 from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import resnet_gn, small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
+from kdpemb.models.clip_suggestions import suggest_clip_norm, suggest_feature_clip_norm
 from kdpemb.models.dp_sgd_head import dense_gradient_norms
 from kdpemb.models.fedemb import FedEmbModel
 from kdpemb.models.heads import CosineHead
@@ -24,4 +25,6 @@ __all__ = [
     "pretrain",
     "resnet_gn",
     "small_cnn",
+    "suggest_clip_norm",
+    "suggest_feature_clip_norm",
 ]

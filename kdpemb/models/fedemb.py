@@ -19,11 +19,18 @@ from kdpemb.models import (
     backends,
     fedemb_round,
     heads,
+    privacy_plan,
     private_state,
 )
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
-from kdpemb.privacy import Schedule, gaussian_sum, protocol
+from kdpemb.privacy import (
+    AdaptiveClipping,
+    Schedule,
+    gaussian_sum,
+    protocol,
+    quantile_clip,
+)
 
 AGGREGATIONS = ("partial", "full")
 _FROZEN_SETTINGS = frozenset(
@@ -46,6 +53,10 @@ _FROZEN_SETTINGS = frozenset(
         "embedding_dim",
         "log_local_loss",
         "log_nonfinite_updates",
+        "target_epsilon",
+        "planned_steps",
+        "calibrated_noise_multiplier",
+        "adaptive_clipping",
     }
 )
 HEAD_INITS = ("zeros", "random")
@@ -186,8 +197,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         reconstruction_steps: int. First local batches that train only
             the head, backbone frozen. Must be below the schedule's
             `local_steps`.
-        clip_norm: float. C.
-        noise_multiplier: float. z (0 for no noise).
+        clip_norm: float. C (the initial C with `adaptive_clipping`).
+        noise_multiplier: float. z (0 for no noise). Give this or
+            `target_epsilon`; with `target_epsilon` it is the calibrated z
+            (None until the first fit).
         schedule: `kdpemb.privacy.Schedule` or None. The rounds' schedule
             (`clients.schedule`, or `Schedule.virtual_clients(...)`). None
             (the default) takes it from the `VirtualClients` of the first
@@ -210,6 +223,30 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             zeroed), to debug divergence. Computed on private data without
             noise (one user's extreme pixel can flip it): not covered by
             the guarantee. Defaults to False.
+        target_epsilon: float or None. Instead of `noise_multiplier`:
+            the first `fit` calibrates the smallest z that keeps the
+            planned rounds within (target_epsilon, delta)-DP (needs
+            `delta`), prints it unless `verbose=0`, and sets
+            `noise_multiplier`. Every later fit may only take the planned
+            rounds not yet taken: one that would go past them is refused
+            before any round (`PrivacyBudgetExhaustedError`). Saved with
+            the model, with the plan.
+        planned_steps: int or None. The rounds `target_epsilon` is spent
+            over. None (the default) plans the first fit's rounds
+            (epochs × rounds per epoch); give it to train over several
+            fits.
+        calibrated_noise_multiplier: set by the first fit and saved with
+            the model; not for you to pass.
+        adaptive_clipping: `kdpemb.privacy.AdaptiveClipping` or None.
+            Adaptive quantile clipping (Andrew et al. 2021): `clip_norm` is
+            the initial C, and every round moves C (the model variable
+            `current_clip_norm`, logged as `clip_norm`) towards the
+            `target_quantile` of the sampled clients' update norms, from
+            their count within C plus Gaussian noise σ_b. The round's
+            noise is z · (its C). The count costs privacy: the round is
+            accounted as one Gaussian of multiplier
+            z_eff = (z⁻² + (2σ_b)⁻²)^(-1/2) < z (`privacy_mechanism()`);
+            with `target_epsilon` it is z_eff that is calibrated.
 
     Example:
 
@@ -246,13 +283,17 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         head_margin=0.0,
         reconstruction_steps=0,
         clip_norm=1.0,
-        noise_multiplier,
+        noise_multiplier=None,
         schedule=None,
         delta=None,
         client_parallelism=None,
         seed=None,
         log_local_loss=False,
         log_nonfinite_updates=False,
+        target_epsilon=None,
+        planned_steps=None,
+        calibrated_noise_multiplier=None,
+        adaptive_clipping=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -295,8 +336,19 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.client_optimizer = _client_sgd(client_optimizer)
         self.head_lr_scale = validation.check_positive(head_lr_scale, "head_lr_scale")
         self.clip_norm = validation.check_positive(clip_norm, "clip_norm")
-        self.noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
         self.delta = None if delta is None else validation.check_delta(delta)
+        (
+            self.noise_multiplier,
+            self.target_epsilon,
+            self.planned_steps,
+            self.calibrated_noise_multiplier,
+        ) = privacy_plan.check_settings(
+            noise_multiplier,
+            target_epsilon,
+            self.delta,
+            planned_steps,
+            calibrated_noise_multiplier,
+        )
         if client_parallelism not in (None, "all"):
             client_parallelism = validation.check_positive_int(
                 client_parallelism, "client_parallelism"
@@ -343,9 +395,26 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.private_steps = private_state.add_private_steps(self)
         self._head_columns = None
         self.seed = seed
-        self.noise_seed, self.head_seed = private_state.noise_seed_generators(
-            seed, ("noise_seed", "head_seed"), "FedEmbModel"
+        self.adaptive_clipping = (
+            None
+            if adaptive_clipping is None
+            else AdaptiveClipping.from_config(adaptive_clipping)
         )
+        names = ("noise_seed", "head_seed")
+        if self.adaptive_clipping is not None:
+            # C is model state: saved, restored, and moved by every round.
+            self.current_clip_norm = self.add_weight(
+                shape=(),
+                initializer=keras.initializers.Constant(self.clip_norm),
+                trainable=False,
+                aggregation="only_first_replica",
+                name="current_clip_norm",
+            )
+            names += ("count_seed",)  # The count's noise: its own stream.
+        generators = private_state.noise_seed_generators(seed, names, "FedEmbModel")
+        self.noise_seed, self.head_seed = generators[:2]
+        if self.adaptive_clipping is not None:
+            self.count_seed = generators[2]
         self.built = True
         self._freeze_settings()
 
@@ -353,7 +422,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         # With seed=None the noise comes from OS entropy, drawn afresh at
         # construction and at every fit, so no generator state anyone has
         # seen (a copied model, a checkpoint) predicts later noise.
-        private_state.reseed([self.noise_seed, self.head_seed], self.seed)
+        generators = [self.noise_seed, self.head_seed]
+        if self.adaptive_clipping is not None:
+            generators.append(self.count_seed)
+        private_state.reseed(generators, self.seed)
 
     # ------------------------------------------------------- schedule --
 
@@ -410,8 +482,21 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def privacy_mechanism(self):
         """The user-level mechanism of one round (`kdpemb.privacy`)."""
-        return self._known_schedule().privacy_mechanism(
-            self.noise_multiplier, self.clip_norm
+        schedule = self._known_schedule()
+        if self.noise_multiplier is None:
+            raise ValueError(
+                f"The noise for target_epsilon={self.target_epsilon} is "
+                "calibrated at the first fit, over the rounds it plans: fit "
+                "the model first."
+            )
+        if self.adaptive_clipping is None:
+            return schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
+        # The update sum and the count are one Gaussian of multiplier z_eff;
+        # C changes every round, so the statement names none.
+        return schedule.privacy_mechanism(
+            self.adaptive_clipping.effective_noise_multiplier(
+                self.noise_multiplier, schedule.sample_size
+            )
         )
 
     def privacy_statement(self, delta=None, accountant="pld"):
@@ -422,6 +507,54 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             accountant: str. "pld" (default) or "rdp".
         """
         return protocol.privacy_statement(self, delta, accountant)
+
+    def simulated_deployment(
+        self,
+        scale,
+        deployment_users,
+        delta=None,
+        deployment_clients=None,
+        accountant="pld",
+    ):
+        """The guarantee of a *simulated deployment* of these rounds.
+
+        A deployment with noise s·z and s·M clients per round over
+        `deployment_users` users has the same noise std in the mean update
+        as this run (z, M), so, for a large enough population, the same
+        utility. Returns `kdpemb.privacy.DeploymentStatement` for the
+        rounds taken so far (with adaptive clipping, z is the effective
+        multiplier of update and count). It is an extrapolation, never
+        this run's guarantee: that is `privacy_statement()`.
+
+        Args:
+            scale: float >= 1. s.
+            deployment_users: int. Users of the deployment.
+            delta: float or None. Defaults to the model's `delta` (it must
+                be below 1 / deployment_users).
+            deployment_clients: int or None. Virtual clients of the
+                deployment; None takes ceil(users / k), or, when this run's
+                pool is a fixed public count, the run's ratio of clients to
+                users.
+            accountant: str. "pld" (default) or "rdp".
+        """
+        from kdpemb import privacy
+
+        schedule = self._known_schedule()
+        if deployment_clients is None and schedule.num_clients is not None:
+            deployment_clients = max(
+                -(-deployment_users // schedule.users_per_client),
+                round(deployment_users * schedule.pool_size / schedule.population),
+            )
+        return privacy.simulated_deployment(
+            schedule,
+            self.privacy_mechanism().noise_multiplier,
+            protocol.read_private_steps(self),
+            scale=scale,
+            deployment_users=deployment_users,
+            delta=protocol.model_delta(self, delta, who="simulated_deployment"),
+            deployment_clients=deployment_clients,
+            accountant=accountant,
+        )
 
     def _known_schedule(self):
         if self._schedule is None:
@@ -497,8 +630,20 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 _check_round_steps(steps, self._schedule.local_steps)
             _check_rows_split(rows)
             self._head_columns = None
+        arguments = privacy_plan.fit_arguments(args, kwargs)
+        verbose = privacy_plan.is_verbose(arguments)
+        if self.target_epsilon is not None:
+            self._plan_budget(
+                privacy_plan.fit_steps(x, arguments, _known_length), verbose
+            )
         self._reseed()
         schedule = self._schedule
+        if verbose and self.train_function is None:
+            print(
+                "FedEmbModel: compiling the round (the first round waits for "
+                "it; about a minute on a CPU)…",
+                flush=True,
+            )
         if not schedule.pool_is_public:
             warnings.warn(
                 f"The schedule's {schedule.pool_size} virtual clients are "
@@ -511,6 +656,55 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 stacklevel=2,
             )
         return super().fit(x, *args, **kwargs)
+
+    def _plan_budget(self, steps, verbose):
+        """With a `target_epsilon`: calibrates the noise at the first fit (over
+        `planned_steps`, or this fit's `steps`), then refuses a fit of
+        `steps` rounds that would go past the plan, before any round."""
+        if steps is None:
+            raise ValueError(
+                "With target_epsilon, fit must know how many rounds it runs, "
+                "and this round source does not say (unknown or infinite "
+                "length): pass steps_per_epoch, or fit on VirtualClients or "
+                "their to_tf_dataset()."
+            )
+        if self.calibrated_noise_multiplier is None:
+            planned = self.planned_steps or steps
+            schedule = self._known_schedule()
+            z = privacy_plan.calibrate(
+                schedule.privacy_mechanism(1.0),
+                planned,
+                self.target_epsilon,
+                self.delta,
+                verbose,
+                "FedEmbModel",
+            )
+            if self.adaptive_clipping is not None:
+                # z is the round's z_eff: what the count leaves to the update.
+                clients = schedule.sample_size
+                z = self.adaptive_clipping.update_noise_multiplier(z, clients)
+                if verbose:
+                    sigma = self.adaptive_clipping.count_stddev_for(clients)
+                    print(
+                        f"FedEmbModel: with the count's noise σ_b = {sigma:.4g}, "
+                        f"the update's noise multiplier is {z:.4g}.",
+                        flush=True,
+                    )
+            with self._settings_unfrozen():
+                self.planned_steps = planned
+                self.calibrated_noise_multiplier = z
+                self.noise_multiplier = z
+        privacy_plan.check_budget(self, steps)
+
+    def train_on_batch(self, *args, **kwargs):
+        if self.target_epsilon is not None:
+            if self.calibrated_noise_multiplier is None:
+                raise ValueError(
+                    "A FedEmbModel with target_epsilon calibrates its noise at "
+                    "its first fit, over the rounds it plans: fit it first."
+                )
+            privacy_plan.check_budget(self, 1)
+        return super().train_on_batch(*args, **kwargs)
 
     def _check_clients(self, clients):
         """Checks the model against its `VirtualClients`, then adopts their
@@ -579,10 +773,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             head_margin=self.head_margin,
         )
 
-    def _round(self, data):
+    def _round_inputs(self, data, local_steps, head_columns=None):
+        """`(trainer, theta, non_trainable, heads, data)` of a round: the
+        local training as the model runs it, from the server's weights."""
         plumbing = backends.current()
-        schedule = self._known_schedule()
-        data = _check_round(data, schedule.local_steps)
         num_rows = data["images"].shape[0]
         config = self._round_config(num_rows)
         trainer = fedemb_round.ClientTrainer(
@@ -600,22 +794,48 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 ),
             )
         else:
-            columns = self._head_columns or (
-                data["labels"].shape[-1] * schedule.local_steps
-            )
+            columns = head_columns or (data["labels"].shape[-1] * local_steps)
             shape = (ops.shape(data["images"])[0], self.embedding_dim, columns)
             heads = (
                 fedemb_round.random_heads(shape, self.head_seed)
                 if self.head_init == "random"
                 else ops.zeros(shape, "float32")
             )
-        result = fedemb_round.run_round(trainer, theta, non_trainable, heads, data)
+        return trainer, theta, non_trainable, heads, data
+
+    def _round(self, data):
+        plumbing = backends.current()
+        schedule = self._known_schedule()
+        data = _check_round(data, schedule.local_steps)
+        trainer, theta, non_trainable, heads, data = self._round_inputs(
+            data, schedule.local_steps, self._head_columns
+        )
+        adaptive = self.adaptive_clipping is not None
+        # Adaptive clipping: this round clips to, and noises with, the C
+        # before the round's update of C.
+        clip_norm = self.current_clip_norm.value if adaptive else None
+        result = fedemb_round.run_round(
+            trainer, theta, non_trainable, heads, data, clip_norm=clip_norm
+        )
 
         clipped = result.clipped
         noise = gaussian_sum.gaussian_noise(
             clipped, self.noise_multiplier, self.noise_seed
         )
         share = plumbing.noise_share()
+        if adaptive:
+            clients = schedule.sample_size
+            count_noise = quantile_clip.count_noise(
+                self.adaptive_clipping.count_stddev_for(clients), self.count_seed
+            )
+            noisy_count = plumbing.replica_sum(
+                quantile_clip.centred_count(clipped) + share * count_noise
+            )
+            self.current_clip_norm.assign(
+                quantile_clip.next_clip_norm(
+                    clip_norm, noisy_count, clients, self.adaptive_clipping
+                )
+            )
         mean_update = [
             (total + share * n) / schedule.sample_size
             for total, n in zip(clipped.total, noise, strict=True)
@@ -630,6 +850,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
         # Only opted-in logs are computed from private data without noise.
         logs = {"private_steps": self.private_steps.value}
+        if adaptive:  # Computed from the noisy count only.
+            logs["clip_norm"] = self.current_clip_norm.value
         if self.log_nonfinite_updates:
             logs["nonfinite_updates"] = plumbing.replica_sum(clipped.num_nonfinite)
         if self.log_local_loss:
@@ -667,7 +889,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "head_margin": self.head_margin,
             "reconstruction_steps": self.reconstruction_steps,
             "clip_norm": self.clip_norm,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier": (
+                None if self.target_epsilon is not None else self.noise_multiplier
+            ),
             "schedule": None if self._schedule is None else self._schedule.get_config(),
             "delta": self.delta,
             "client_parallelism": self.client_parallelism,
@@ -675,6 +899,14 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             "log_nonfinite_updates": self.log_nonfinite_updates,
             # A reloaded model draws fresh noise: never reuse the seed.
             "seed": None,
+            "target_epsilon": self.target_epsilon,
+            "planned_steps": self.planned_steps,
+            "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
+            "adaptive_clipping": (
+                None
+                if self.adaptive_clipping is None
+                else self.adaptive_clipping.get_config()
+            ),
         }
 
     @classmethod

@@ -212,7 +212,7 @@ class ClientTrainer:
         return update, loss / steps
 
 
-def run_round(trainer, theta, non_trainable, heads, data):
+def run_round(trainer, theta, non_trainable, heads, data, clip_norm=None):
     """Trains the round's sampled clients and clips and sums their updates.
 
     Args:
@@ -222,11 +222,15 @@ def run_round(trainer, theta, non_trainable, heads, data):
             single `[D, columns]` head shared by every client (DP-FedAvg).
         data: the round dict (`kdpemb.data.VirtualClients`); in DP-FedAvg
             `labels` must already be the global labels.
+        clip_norm: float tensor or None. This round's C where it is model
+            state (adaptive clipping); None takes the config's.
 
     Returns:
         `RoundResult` for the rows of `data` (this replica's share).
     """
     cfg = trainer.config
+    if clip_norm is None:
+        clip_norm = cfg.clip_norm
     client_mask = ops.cast(data["client_mask"], "bool")
     shared_head = len(heads.shape) == 2
     keys = ("images", "labels", "example_mask", "num_local_classes")
@@ -267,7 +271,7 @@ def run_round(trainer, theta, non_trainable, heads, data):
         template.append(ops.zeros(ops.shape(heads), "float32"))
 
     def body(index, carry):
-        totals, count, nonfinite, loss_sum = carry
+        totals, count, nonfinite, within, loss_sum = carry
         row = {key: ops.take(value, index, axis=0) for key, value in rows.items()}
         mask = ops.take(client_mask, index, axis=0)
         if chunk > 1:
@@ -277,26 +281,31 @@ def run_round(trainer, theta, non_trainable, heads, data):
             updates = [ops.expand_dims(u, 0) for u in update]
             losses = ops.expand_dims(loss, 0)
             mask = ops.expand_dims(mask, 0)
-        clipped = gaussian_sum.clip_and_sum(updates, cfg.clip_norm, mask)
+        clipped = gaussian_sum.clip_and_sum(updates, clip_norm, mask)
         kept = ops.cast(mask, "float32")
         finite_loss = ops.where(ops.isfinite(losses), losses, 0.0)
         return (
             [t + s for t, s in zip(totals, clipped.total, strict=True)],
             count + clipped.count,
             nonfinite + clipped.num_nonfinite,
+            within + clipped.num_within_clip,
             loss_sum + ops.sum(finite_loss * kept),
         )
 
     num_iterations = (num_active + chunk - 1) // chunk
     zero_int = ops.zeros((), "int32")
-    totals, count, nonfinite, loss_sum = ops.fori_loop(
+    totals, count, nonfinite, within, loss_sum = ops.fori_loop(
         0,
         num_iterations,
         body,
-        (template, zero_int, zero_int, ops.zeros((), "float32")),
+        (template, zero_int, zero_int, zero_int, ops.zeros((), "float32")),
     )
     clipped = gaussian_sum.ClippedSum(
-        total=totals, clip_norm=cfg.clip_norm, count=count, num_nonfinite=nonfinite
+        total=totals,
+        clip_norm=clip_norm,
+        count=count,
+        num_nonfinite=nonfinite,
+        num_within_clip=within,
     )
     return RoundResult(clipped=clipped, loss_sum=loss_sum)
 

@@ -23,6 +23,7 @@ from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
     UnsupportedMechanismError,
 )
 from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant, delta, epsilon
+from kdpemb.privacy.adaptive_clipping import AdaptiveClipping
 from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.deployment import (
     DeploymentStatement,
@@ -52,6 +53,7 @@ __all__ = [
     "ACCOUNTANTS",
     "ZCDP",
     "Accountant",
+    "AdaptiveClipping",
     "DeploymentStatement",
     "GaussianRelease",
     "GaussianReleases",

@@ -32,6 +32,8 @@ The search therefore runs on coarser grids h = 1e-4 · 2^k:
   expensive evaluations are few and never far below the answer.
 """
 
+import contextlib
+import logging
 import math
 
 from kdpemb import _validation as validation
@@ -48,6 +50,34 @@ DELTA_SLACK, DELTA_FLOOR, MIN_COARSE_DELTA = 1e-3, 1e-13, 1e-10
 EXACT_RTOL = 1e-6  # The slack left below the target where ε is exact.
 MAX_GRID_LEVEL = 10  # The coarsest search grid: 2**10 · 1e-4 ≈ 0.1.
 SCOUT_LEVELS = 3  # The scouting grid is 2**3 times the first one.
+
+
+# dp-accounting's RDP accountant logs this (through absl) for each
+# fractional order it cannot evaluate at small noise, and drops the order:
+# its ε is still an upper bound. A search visits many small multipliers on
+# its way, so it would print dozens of such lines.
+RDP_DROPPED_ORDER = "_compute_log_a_frac failed to converge"
+
+
+@contextlib.contextmanager
+def quiet_dropped_rdp_orders():
+    """Mutes dp-accounting's line for each RDP order it drops.
+
+    Example:
+
+    >>> with quiet_dropped_rdp_orders():
+    ...     pass
+    """
+    logger = logging.getLogger("absl")
+
+    def keep(record):
+        return not str(record.msg).startswith(RDP_DROPPED_ORDER)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 class _Unreachable(Exception):
@@ -96,6 +126,9 @@ def calibrate_noise_multiplier(
     Raises:
         CalibrationError: if even `max_noise_multiplier` gives ε > target.
 
+    The RDP accountant's log line for each order it drops ("failed to
+    converge", at small multipliers) is muted during the search.
+
     Example:
 
     >>> from kdpemb import privacy
@@ -117,6 +150,13 @@ def calibrate_noise_multiplier(
         )
     if not 0 < rtol < 0.5:
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
+    with quiet_dropped_rdp_orders():
+        return _calibrate(
+            mechanism, steps, delta, target, accountant, z_min, z_max, rtol
+        )
+
+
+def _calibrate(mechanism, steps, delta, target, accountant, z_min, z_max, rtol):
 
     def accountant_at(z, interval=DEFAULT_INTERVAL):
         return Accountant(

@@ -47,6 +47,13 @@ class ClippedSum(NamedTuple):
         count: int tensor. Contributions included (after the mask).
         num_nonfinite: int tensor. Included contributions that were zeroed
             because they held NaN or infinite values.
+        num_within_clip: int tensor or None. Included contributions whose
+            norm was finite and at most `clip_norm` (left unscaled): what
+            adaptive clipping releases, with noise
+            (`kdpemb.privacy.quantile_clip`).
+
+    `clip_norm` is a Python float, or a float tensor where it is model
+    state (adaptive clipping), then positive by construction.
 
     Example:
 
@@ -60,6 +67,7 @@ class ClippedSum(NamedTuple):
     clip_norm: float
     count: object
     num_nonfinite: object
+    num_within_clip: object = None
 
     def sensitivity(self, relation):
         """The L2 sensitivity of `total` under a neighbouring relation.
@@ -125,7 +133,7 @@ def clip_factors(norms, clip_norm, mask=None):
     >>> np.asarray(factors).tolist(), np.asarray(finite).tolist()
     ([0.5, 1.0, 0.0], [True, True, False])
     """
-    clip_norm = validation.check_positive(clip_norm, "clip_norm")
+    clip_norm = _checked_clip_norm(clip_norm)
     ops = keras.ops
     norms = ops.cast(ops.convert_to_tensor(norms), "float32")
     finite = ops.isfinite(norms)
@@ -133,6 +141,13 @@ def clip_factors(norms, clip_norm, mask=None):
     factors = ops.minimum(1.0, clip_norm / ops.maximum(safe_norms, 1e-30))
     keep = finite if mask is None else ops.logical_and(finite, _as_mask(mask))
     return ops.where(keep, factors, 0.0), finite
+
+
+def _checked_clip_norm(clip_norm):
+    """A Python clip norm checked (> 0), or a float32 tensor (model state)."""
+    if isinstance(clip_norm, (int, float, np.number)):
+        return validation.check_positive(clip_norm, "clip_norm")
+    return keras.ops.cast(clip_norm, "float32")
 
 
 def _as_mask(mask):
@@ -164,16 +179,20 @@ def clipped_sum_from_norms(norms, clip_norm, weighted_sum, mask=None):
     >>> np.round(np.asarray(clipped.total[0], dtype=float), 6).tolist()
     [0.9, 1.2]
     """
+    clip_norm = _checked_clip_norm(clip_norm)
     factors, finite = clip_factors(norms, clip_norm, mask)
     ops = keras.ops
     rows = ops.shape(factors)[0]
     included = ops.ones((rows,), "int32") if mask is None else _as_mask(mask)
     included = ops.cast(included, "int32")
+    # NaN <= C is false: a non-finite contribution is never within C.
+    within = ops.cast(ops.cast(norms, "float32") <= clip_norm, "int32")
     return ClippedSum(
         total=list(weighted_sum(factors)),
-        clip_norm=float(clip_norm),
+        clip_norm=clip_norm,
         count=ops.sum(included),
         num_nonfinite=ops.sum(included * ops.cast(ops.logical_not(finite), "int32")),
+        num_within_clip=ops.sum(included * within),
     )
 
 
@@ -274,9 +293,9 @@ def gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
             "The noise is scaled from the ClippedSum of clip_and_sum, which "
             "carries the clip norm that sets it."
         )
-    stddev = noise_multiplier * clipped_sum.clip_norm
-    if stddev == 0.0:
+    if noise_multiplier == 0.0:
         return [keras.ops.zeros_like(total) for total in clipped_sum.total]
+    stddev = noise_multiplier * clipped_sum.clip_norm
     return [
         keras.random.normal(keras.ops.shape(total), stddev=stddev, seed=seed_generator)
         for total in clipped_sum.total

@@ -132,7 +132,7 @@ class GaussianRelease:
         return dpa.GaussianDpEvent(self.noise_multiplier)
 
 
-def _effective_noise_multiplier(releases):
+def effective_noise_multiplier(releases):
     """The single Gaussian equivalent to independent Gaussian releases.
 
     Releasing f_i + N(0, σ_i²) for i = 1..m with sensitivities Δ_i is, after
@@ -423,7 +423,7 @@ class GaussianReleases(Mechanism):
 
     @property
     def noise_multiplier(self):
-        return _effective_noise_multiplier(self.releases)
+        return effective_noise_multiplier(self.releases)
 
     def setup_event(self):
         return _compose([r.event() for r in self.setup])

@@ -88,6 +88,7 @@ from kdpemb.callbacks import PrivacyBudget  # noqa: E402
 from kdpemb.data import VirtualClients  # noqa: E402
 from kdpemb.datasets import synthetic_identities  # noqa: E402
 from kdpemb.models import FedEmbModel, fedemb_round  # noqa: E402
+from kdpemb.privacy import AdaptiveClipping  # noqa: E402
 
 warnings.simplefilter("ignore")  # Fixed seeds warn; intended in a test.
 
@@ -105,6 +106,16 @@ SCENARIOS = {
         "clip_norm": NOISE_CLIP,
         "noise_multiplier": NOISE_MULTIPLIER,
         "client_optimizer": 1e-30,
+    },
+    # Adaptive clipping, C small enough to clip: the count of clients
+    # within C is summed over the devices and noised once, so C (and the
+    # backbone) end as on one device, where the same seed draws the same
+    # count noise (noised on both devices, or summed on one, they differ).
+    "adaptive": {
+        "clip_norm": 0.02,
+        "noise_multiplier": 0.0,
+        "client_optimizer": 0.05,
+        "adaptive_clipping": AdaptiveClipping(0.5, 0.5, count_stddev=0.5),
     },
 }
 
@@ -167,7 +178,7 @@ class RoundProbe:
         self._run_round = fedemb_round.run_round
 
     def __enter__(self):
-        def probe(trainer, theta, non_trainable, heads, data):
+        def probe(trainer, theta, non_trainable, heads, data, **kwargs):
             images = data["images"]
             self.rows.append(int(images.shape[0]))
             if BACKEND == "jax":
@@ -184,7 +195,7 @@ class RoundProbe:
                     )
 
                 jax.debug.inspect_array_sharding(images, callback=record)
-            return self._run_round(trainer, theta, non_trainable, heads, data)
+            return self._run_round(trainer, theta, non_trainable, heads, data, **kwargs)
 
         fedemb_round.run_round = probe
         return self
@@ -254,6 +265,12 @@ def fit(settings, distributed):
     report["after"] = flat_weights(model)
     report["history"] = {k: [float(x) for x in v] for k, v in history.history.items()}
     report["private_steps"] = int(keras.ops.convert_to_numpy(model.private_steps.value))
+    if model.adaptive_clipping is not None:
+        value = model.current_clip_norm.value
+        report["clip_norms"] = [
+            float(keras.ops.convert_to_numpy(v))
+            for v in getattr(value, "values", [value])
+        ]
     return report
 
 

@@ -14,7 +14,9 @@ backend this suite runs under) and prints JSON; the tests here check it:
   N(0, (z C / M)^2): the noise is added once per round, not once per
   device, and is fresh in every round;
 - `private_steps` counts one per round, also on rounds whose number is
-  unknown up front (TensorFlow refuses those without `steps_per_epoch`).
+  unknown up front (TensorFlow refuses those without `steps_per_epoch`);
+- with adaptive clipping, the count of clients within C is summed over
+  the devices and noised once: C ends as on one device.
 """
 
 import contextlib
@@ -142,6 +144,21 @@ def test_distributed_rounds_equal_the_same_rounds_on_one_device(results):
         distributed["after_round"], single["after_round"], strict=True
     ):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-6)
+
+
+def test_adaptive_clipping_counts_the_clients_of_every_device_once(results):
+    single = scenario(results, "single/adaptive")
+    distributed = scenario(results, "distributed/adaptive")
+    assert distributed["served"] == single["served"]
+    (c_single,) = single["clip_norms"]
+    # Every replica holds the same C, the single device's.
+    assert c_single != pytest.approx(0.02, rel=1e-3)  # C moved.
+    for c in distributed["clip_norms"]:
+        assert c == pytest.approx(c_single, rel=1e-5)
+    assert distributed["history"]["clip_norm"] == pytest.approx(
+        single["history"]["clip_norm"], rel=1e-5
+    )
+    np.testing.assert_allclose(distributed["after"], single["after"], rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("where", ["single", "distributed"])

@@ -237,3 +237,25 @@ def test_a_tiny_delta_is_searched_on_the_default_grid(monkeypatch):
     assert {interval for _, interval in built} == {1e-4}
     achieved = privacy.Accountant(mechanism.with_noise_multiplier(z)).epsilon(50, 1e-12)
     assert 0.995 <= achieved <= 1.0
+
+
+def test_the_rdp_search_logs_no_line_per_dropped_order(caplog):
+    # dp-accounting drops RDP orders it cannot evaluate at small noise and
+    # logs each one; a search visits many small multipliers.
+    mechanism = privacy.virtual_clients(1.0, clients_per_round=3, num_users=100)
+    rdp = privacy.Accountant(mechanism.with_noise_multiplier(0.3), "rdp")
+    with caplog.at_level("WARNING", logger="absl"):
+        rdp.epsilon(40, 1e-3)
+        assert calibration.RDP_DROPPED_ORDER in caplog.text  # What is muted.
+        caplog.clear()
+        z = privacy.calibrate_noise_multiplier(
+            mechanism, 40, 1e-3, target_epsilon=30.0, accountant="rdp"
+        )
+    assert calibration.RDP_DROPPED_ORDER not in caplog.text
+    assert z < 0.3  # The search did go through the orders that are dropped.
+    # The filter is gone after the search.
+    with caplog.at_level("WARNING", logger="absl"):
+        privacy.Accountant(mechanism.with_noise_multiplier(0.31), "rdp").epsilon(
+            40, 1e-3
+        )
+    assert calibration.RDP_DROPPED_ORDER in caplog.text
