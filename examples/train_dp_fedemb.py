@@ -1,140 +1,310 @@
-"""Trains an embedding with user-level DP-FedEmb on synthetic identities.
+"""The main job: public pretraining, then user-level DP-FedEmb, end to end.
 
-4,000 synthetic identities (one user each, 4 images of 32×32×3) are
-grouped into 1,000 virtual clients of 4 users; each round samples 16 of
-them (Poisson), trains each for 8 local steps with a throw-away local
-head, clips every update, adds Gaussian noise once and applies the noisy
-mean with Adam. The noise multiplier is calibrated so that the planned
-rounds spend the target ε, and `PrivacyBudget` stops training before ε
-would pass it. Recall@FAR is measured on 200 held-out identities that no
-user holds. The backbone is saved as a `.keras` file.
+1. Render the embedded synthetic identities: a *public* set (other
+   identities, shifted nuisance) and the *private* users (one identity
+   each), plus held-out private-domain identities that nobody trains on.
+2. Pretrain a `resnet_gn` backbone non-privately on the public set
+   (`kdpemb.models.pretrain`).
+3. Fine-tune it with DP-FedEmb on the private users: virtual clients of 4
+   users, Poisson-sampled, local cosine heads thrown away after each round,
+   clipped updates, Gaussian noise once per round. The noise multiplier is
+   calibrated at the first `fit` so the planned rounds spend exactly the
+   target ε (`FedEmbModel(target_epsilon=...)`), and no later fit may
+   exceed it.
+4. Report Recall@FAR on the held-out identities before / after, the run's
+   own privacy statement, and the statement of a *simulated deployment*
+   (the same noise in the mean update with s× the noise and s× the clients
+   per round over 10M users: an extrapolation, not this run's guarantee).
 
-    python examples/train_dp_fedemb.py                 # ~4 min on 2 CPU cores
-    python examples/train_dp_fedemb.py --quick         # seconds, tiny sizes
-    python examples/train_dp_fedemb.py --epochs 8 --target-epsilon 20
+Everything goes to `runs/<date-time>/`: `results.json`, `roc.png`,
+`privacy_statement.txt|json`, `simulated_deployment.txt|json`,
+`backbone.keras` and `native.log` (TensorFlow's start-up chatter).
 
-The population is tiny for user-level DP (a real deployment has 10^5 to
-10^7 users), so the ε that gives useful training here is large; see
-docs/fedemb.md for the measured trade-off.
+    python examples/train_dp_fedemb.py            # ~8 min on 2 CPU cores
+    python examples/train_dp_fedemb.py --quick    # tiny sizes, seconds
+    python examples/train_dp_fedemb.py --reference  # + non-private reference
 """
 
 import argparse
+import contextlib
+import datetime
+import gc
+import json
+import logging
+import os
 import pathlib
-
-import keras
-import numpy as np
-
-from kdpemb import privacy
-from kdpemb.callbacks import PrivacyBudget, RecallAtFAR, RichProgress
-from kdpemb.data import VirtualClients
-from kdpemb.datasets import synthetic_identities
-from kdpemb.metrics import recall_at_far
-from kdpemb.models import FedEmbModel, small_cnn
+import sys
+import time
 
 SIZES = {
-    # identities, images each, held-out identities, image size, width,
-    # clients per round, local steps, batch size, rounds per epoch
     "full": dict(
-        identities=4000, images=4, held_out=200, image_size=32, width=8,
-        clients_per_round=16, local_steps=8, batch_size=8, rounds_per_epoch=50,
+        image_size=32, width=16, groups=4, embedding_dim=64,
+        public_identities=500, public_images=8, pretrain_epochs=6,
+        private_identities=2000, private_images=8,
+        held_out=200, held_out_images=8,
+        users_per_client=4, clients_per_round=16, local_steps=4,
+        batch_size=16, rounds=120, reference_epochs=3,
     ),
     "quick": dict(
-        identities=40, images=4, held_out=20, image_size=16, width=4,
-        clients_per_round=2, local_steps=2, batch_size=4, rounds_per_epoch=2,
+        image_size=16, width=4, groups=2, embedding_dim=16,
+        public_identities=30, public_images=4, pretrain_epochs=1,
+        private_identities=40, private_images=4,
+        held_out=20, held_out_images=4,
+        users_per_client=4, clients_per_round=2, local_steps=2,
+        batch_size=4, rounds=4, reference_epochs=1,
     ),
 }  # fmt: skip
+FARS = (1e-3, 1e-2)
+
+
+@contextlib.contextmanager
+def native_stderr_to(path):
+    """Sends what native code writes to stderr (TensorFlow's C++ logs,
+    at start-up and at exit) to the file `path` while the block runs;
+    Python's own warnings and errors still reach the terminal."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    python_stderr = sys.stderr
+    # Closed in `finally` (a `with` cannot span the yield's caller).
+    sys.stderr = open(terminal, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = python_stderr
+        os.dup2(terminal, 2)
+        os.close(terminal)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument("--target-epsilon", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--clip-norm",
+        type=float,
+        default=None,
+        help="C (default: the median client update norm on the public set)",
+    )
+    parser.add_argument(
+        "--deployment-scale", type=float, default=64.0, help="s of the simulation"
+    )
+    parser.add_argument("--deployment-users", type=int, default=10_000_000)
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also fine-tune non-privately on the private users (the upper bound)",
+    )
+    parser.add_argument("--runs-dir", default="runs")
+    parser.add_argument("--seed", type=int, default=0, help="data and model init")
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument(
-        "--rounds-per-epoch", type=int, default=None, help="rounds (train steps)"
-    )
-    parser.add_argument(
-        "--target-epsilon", type=float, default=None, help="default 10 (5 quick)"
-    )
-    parser.add_argument("--output", default="dp_fedemb_backbone.keras")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     size = SIZES["quick" if args.quick else "full"]
-    rounds_per_epoch = args.rounds_per_epoch or size["rounds_per_epoch"]
-    target_epsilon = args.target_epsilon or (5.0 if args.quick else 10.0)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    run_dir = pathlib.Path(args.runs_dir) / stamp
+    run_dir.mkdir(parents=True, exist_ok=False)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    with native_stderr_to(run_dir / "native.log"):
+        import keras  # noqa: F401  (TensorFlow starts here)
 
-    # Training users and held-out identities (disjoint: first_identity).
-    train = synthetic_identities(
-        size["identities"], size["images"], image_size=size["image_size"]
+        logging.getLogger("tensorflow").setLevel(logging.ERROR)
+        results = run(args, size, run_dir)
+        gc.collect()  # Datasets are finalised now, not at interpreter exit.
+    return results
+
+
+def say(text):
+    print(text, flush=True)
+
+
+def run(args, size, run_dir):
+    import keras
+    import numpy as np
+
+    from kdpemb import plots
+    from kdpemb.callbacks import RichProgress
+    from kdpemb.data import VirtualClients
+    from kdpemb.datasets import synthetic_identities
+    from kdpemb.metrics import recall_at_far, verification_roc
+    from kdpemb.models import (
+        CentralizedBaseline,
+        FedEmbModel,
+        pretrain,
+        resnet_gn,
+        suggest_clip_norm,
     )
-    held_out = synthetic_identities(
-        size["held_out"],
-        8,
-        image_size=size["image_size"],
-        first_identity=size["identities"],
+
+    started = time.perf_counter()
+    side = size["image_size"]
+    say(f"kdpemb main job → {run_dir}/  (Keras backend: {keras.backend.backend()})")
+
+    def render(count, images, **kwargs):
+        data = synthetic_identities(
+            count, images, image_size=side, seed=args.seed, **kwargs
+        )
+        return np.asarray(data.images), data.labels, data.user_ids
+
+    public = render(size["public_identities"], size["public_images"], domain="public")
+    private = render(size["private_identities"], size["private_images"])
+    held_out = render(
+        size["held_out"], size["held_out_images"], first_identity=1_000_000
+    )[:2]
+    say(
+        f"data: {size['public_identities']} public identities (shifted nuisance), "
+        f"{size['private_identities']} private users, {size['held_out']} "
+        "held-out identities (never trained on)"
     )
-    held_out = (np.asarray(held_out.images), held_out.labels)
-    clients = VirtualClients(
-        np.asarray(train.images),  # Rendered once, gathered every round.
-        train.labels,
-        train.user_ids,
+
+    curves, table = {}, {}
+
+    def evaluate(name, backbone):
+        embeddings = backbone.predict(held_out[0], batch_size=256, verbose=0)
+        recalls = recall_at_far(embeddings, held_out[1], far=FARS)
+        curves[name] = verification_roc(embeddings, held_out[1], max_far=1.0)[:2]
+        table[name] = {
+            f"recall@far={f:g}": float(r) for f, r in zip(FARS, recalls, strict=True)
+        }
+        say(
+            f"  {name:<24} Recall@FAR=1e-3 {recalls[0]:.3f}   "
+            f"Recall@FAR=1e-2 {recalls[1]:.3f}"
+        )
+
+    keras.utils.set_random_seed(args.seed)
+    backbone = resnet_gn(
+        (side, side, 3),
+        embedding_dim=size["embedding_dim"],
+        width=size["width"],
+        groups=size["groups"],
+    )
+    evaluate("untrained", backbone)
+
+    say(f"1/2 public pretraining: {size['pretrain_epochs']} epochs")
+    pretrain(
+        backbone,
+        public[:2],
+        epochs=size["pretrain_epochs"],
+        head_scale=30.0,
+        optimizer=keras.optimizers.Adam(2e-3),
+        verbose=0 if args.quick else 2,
+    )
+    evaluate("public-pretrained", backbone)
+    pretrained_weights = backbone.get_weights()
+
+    rounds = args.rounds or size["rounds"]
+    num_users = size["private_identities"]
+    delta = 0.1 / num_users
+    say(
+        f"2/2 DP-FedEmb: {rounds} rounds, target ε = {args.target_epsilon:g} "
+        f"at δ = {delta:.1e} per user"
+    )
+    client_settings = dict(
         clients_per_round=size["clients_per_round"],
-        users_per_client=4,
-        # P from a public count (here the enrolled users), not from the data.
-        num_clients=size["identities"] // 4,
+        users_per_client=size["users_per_client"],
         local_steps=size["local_steps"],
         batch_size=size["batch_size"],
-        rounds_per_epoch=rounds_per_epoch,
     )
-    print(clients.describe().split("\n  ")[0])
-
-    # The smallest noise that keeps the planned rounds within the target.
-    delta = 0.1 / clients.num_users
-    steps = args.epochs * rounds_per_epoch
-    noise_multiplier = privacy.calibrate_noise_multiplier(
-        clients.schedule.privacy_mechanism(1.0),
-        target_epsilon=target_epsilon,
-        delta=delta,
-        steps=steps,
+    fedemb_settings = dict(head="cosine", head_scale=30.0, client_optimizer=0.01)
+    clip_norm = args.clip_norm
+    if clip_norm is None:  # Public data: no privacy cost.
+        public_clients = VirtualClients(*public, **client_settings)
+        probe = FedEmbModel(backbone, noise_multiplier=0.0, **fedemb_settings)
+        clip_norm = suggest_clip_norm(probe, public_clients, rounds=4)
+        say(f"  clip norm {clip_norm:.3g}: the median update norm on public clients")
+    clients = VirtualClients(
+        *private,
+        # P from a public count (the enrolled users), not from the data.
+        num_clients=num_users // size["users_per_client"],
+        rounds_per_epoch=rounds,
+        **client_settings,
     )
-    print(f"noise multiplier {noise_multiplier:.3f} for ε = {target_epsilon:g}")
-
-    backbone = small_cnn(
-        (size["image_size"], size["image_size"], 3),
-        embedding_dim=32,
-        width=size["width"],
-        groups=4,
-    )
-    untrained = recall_at_far(
-        backbone.predict(held_out[0], verbose=0), held_out[1], far=1e-3
-    )
-    # The schedule (users, P, M, local steps) comes from `clients` at fit.
     model = FedEmbModel(
         backbone,
-        client_optimizer=0.01,
-        clip_norm=0.05,
-        noise_multiplier=noise_multiplier,
+        clip_norm=clip_norm,
+        target_epsilon=args.target_epsilon,
         delta=delta,
+        **fedemb_settings,
     )
-    model.compile(optimizer=keras.optimizers.Adam(3e-3))  # The server optimizer.
-    budget = PrivacyBudget(target_epsilon=target_epsilon, verbose=0)  # model δ
-    recall = RecallAtFAR(held_out, far=(1e-3, 1e-2))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))  # The server optimizer.
     model.fit(
         clients,
-        epochs=args.epochs,
+        epochs=1,
         verbose=0,
-        callbacks=[budget, recall, RichProgress()],
+        callbacks=[RichProgress(print_every=max(1, rounds // 10))],
     )
+    evaluate("DP-FedEmb", model.backbone)
 
-    values = recall.evaluate()
-    print(budget.statement.summary())
-    print(
-        f"Recall@FAR=1e-3 on {size['held_out']} held-out identities: "
-        f"{values['recall@far=1e-03']:.4f} (untrained backbone: {untrained:.4f}); "
-        f"Recall@FAR=1e-2: {values['recall@far=1e-02']:.4f}"
+    if args.reference:
+        say("reference: non-private centralized fine-tuning of the pretrained backbone")
+        reference = resnet_gn(
+            (side, side, 3),
+            embedding_dim=size["embedding_dim"],
+            width=size["width"],
+            groups=size["groups"],
+        )
+        reference.set_weights(pretrained_weights)
+        centralized = CentralizedBaseline(
+            reference, num_users, head="cosine", head_scale=30.0
+        )
+        centralized.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        centralized.fit(
+            private[0], private[1], epochs=size["reference_epochs"], verbose=0
+        )
+        evaluate("non-private reference", reference)
+
+    statement = model.privacy_statement()
+    deployment = model.simulated_deployment(
+        args.deployment_scale,
+        args.deployment_users,
+        delta=min(delta, 0.1 / args.deployment_users),
     )
-    output = pathlib.Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    model.backbone.save(output)
-    print(f"saved the backbone to {output}")
+    write_outputs(run_dir, args, size, model, statement, deployment, curves, table)
+    plots.roc(curves, run_dir / "roc.png", far_range=(1e-4, 1.0), mark_far=FARS)
+
+    say("")
+    say(f"{'':<24} Recall@FAR=1e-3   Recall@FAR=1e-2")
+    for name, values in table.items():
+        say(
+            f"{name:<24} {values['recall@far=0.001']:>15.3f}   "
+            f"{values['recall@far=0.01']:>15.3f}"
+        )
+    say("")
+    say("This run's guarantee:")
+    say(statement.summary())
+    say("")
+    say(deployment.summary())
+    say("")
+    say(f"done in {time.perf_counter() - started:.0f} s; files in {run_dir}/")
+    return {"run_dir": str(run_dir), "recall": table}
+
+
+def write_outputs(run_dir, args, size, model, statement, deployment, curves, table):
+    (run_dir / "privacy_statement.txt").write_text(statement.summary() + "\n")
+    (run_dir / "privacy_statement.json").write_text(statement.to_json() + "\n")
+    (run_dir / "simulated_deployment.txt").write_text(deployment.summary() + "\n")
+    (run_dir / "simulated_deployment.json").write_text(deployment.to_json() + "\n")
+    model.backbone.save(run_dir / "backbone.keras")
+    results = {
+        "arguments": vars(args),
+        "sizes": size,
+        "recall_on_held_out_identities": table,
+        "noise_multiplier": float(model.noise_multiplier),
+        "private_steps": int(model.private_steps.numpy()),
+        "privacy_statement": json.loads(statement.to_json()),
+        "simulated_deployment": json.loads(deployment.to_json()),
+        "files": ["roc.png", "backbone.keras", "privacy_statement.txt",
+                  "simulated_deployment.txt", "native.log"],
+    }  # fmt: skip
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

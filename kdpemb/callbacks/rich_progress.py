@@ -83,6 +83,10 @@ class RichProgress(keras.callbacks.Callback):
     epoch 2/2 · 10 rounds · ...s · ε ... · private_steps 20
     """
 
+    # Models that print progress lines at fit (calibration, compiling)
+    # print them with this callback even under `verbose=0`.
+    shows_progress = True
+
     def __init__(self, console=None, print_every=None, unit="round", keys=None):
         super().__init__()
         if print_every is not None:

@@ -97,8 +97,13 @@ def fit_steps(x, arguments, known_length):
 
 
 def is_verbose(arguments):
-    """Whether `fit(verbose=...)` asks for output ("auto" does)."""
-    return arguments.get("verbose", "auto") not in (0, False)
+    """Whether `fit(verbose=...)` asks for output ("auto" does), or one of
+    its callbacks shows progress itself (`shows_progress`, as
+    `kdpemb.callbacks.RichProgress`, which wants `verbose=0`)."""
+    if arguments.get("verbose", "auto") not in (0, False):
+        return True
+    callbacks = arguments.get("callbacks") or ()
+    return any(getattr(callback, "shows_progress", False) for callback in callbacks)
 
 
 def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner):

@@ -28,6 +28,7 @@ from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.deployment import (
     DeploymentStatement,
     RunDescription,
+    calibrate_run_noise,
     deployment_schedule,
     simulated_deployment,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "Schedule",
     "TreeAggregation",
     "calibrate_noise_multiplier",
+    "calibrate_run_noise",
     "delta",
     "deployment_schedule",
     "dp_sgd",

@@ -461,3 +461,63 @@ def simulated_deployment(
             epsilon_note=note,
         ),
     )
+
+
+def calibrate_run_noise(
+    schedule,
+    steps,
+    delta,
+    *,
+    target_epsilon,
+    scale,
+    deployment_users,
+    deployment_clients=None,
+    accountant="pld",
+):
+    """The run's z whose *simulated deployment* spends `target_epsilon`.
+
+    Calibrates the deployment's noise multiplier z' (s·M clients per
+    round over `deployment_users`, `steps` rounds, δ) for the target, and
+    returns z = z' / s for the run, so that the run has the deployment's
+    noise in the mean update. The target holds for the simulated
+    deployment only; the run's own ε, over its own users, is far larger.
+
+    Args:
+        schedule: the run's `Schedule` (user-level, Poisson).
+        steps: int. Rounds of the run (and of the deployment).
+        delta: float. δ of the deployment, below 1 / deployment_users.
+        target_epsilon: float. ε of the simulated deployment.
+        scale, deployment_users, deployment_clients: as for
+            `simulated_deployment`.
+        accountant: "pld" (default) or "rdp".
+
+    Returns:
+        float: the run's noise multiplier.
+
+    Example:
+
+    >>> from kdpemb.privacy import Schedule, calibrate_run_noise
+    >>> run = Schedule.virtual_clients(40_000, clients_per_round=16,
+    ...                                users_per_client=4)
+    >>> z = calibrate_run_noise(run, 100, 1e-8, target_epsilon=8.0, scale=64,
+    ...                         deployment_users=10_000_000)
+    >>> 0 < z < 0.05
+    True
+    """
+    from kdpemb.privacy.calibration import calibrate_noise_multiplier
+
+    deployed = deployment_schedule(
+        schedule, scale, deployment_users, deployment_clients
+    )
+    deployed_z = calibrate_noise_multiplier(
+        deployed.privacy_mechanism(1.0),
+        steps,
+        delta,
+        target_epsilon=target_epsilon,
+        accountant=accountant,
+    )
+    # Rounded up, so that s·z is never below the calibrated z'.
+    run_z = deployed_z / float(scale)
+    while run_z * float(scale) < deployed_z:
+        run_z = math.nextafter(run_z, math.inf)
+    return run_z
