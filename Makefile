@@ -17,8 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/privacy_calculator.py
-	$(PY) examples/train_dp_fedemb.py --output build/dp_fedemb_backbone.keras
+	$(PY) examples/train_dp_fedemb.py
 
 test: lint test-tensorflow test-jax
 

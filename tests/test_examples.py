@@ -51,19 +51,53 @@ def test_virtual_clients_example_prints_a_round_and_its_privacy():
     assert "per user" in out and "replace-one" in out
 
 
+def run_main_job(tmp_path, *args):
+    """Runs the main job in --quick mode; returns (stdout, stderr, run dir)."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_dp_fedemb.py"), "--quick",
+         "--runs-dir", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    return result.stdout, result.stderr, run_dir
+
+
 @pytest.mark.slow
-def test_train_dp_fedemb_example_reports_epsilon_recall_and_saves_the_backbone(
-    tmp_path,
-):
+def test_the_main_job_writes_its_run_and_states_a_simulated_deployment(tmp_path):
     import keras
 
-    output = tmp_path / "backbone.keras"
-    out = run_example("train_dp_fedemb.py", "--quick", "--output", str(output))
-    assert "-DP per user" in out and "replace-one" in out
-    assert "Recall@FAR=1e-3 on 20 held-out identities" in out
-    assert "epoch 4/4" in out  # RichProgress's plain line per epoch.
-    backbone = keras.saving.load_model(output)
-    assert backbone.output_shape == (None, 32)
+    out, err, run_dir = run_main_job(tmp_path, "--target-epsilon", "6")
+    # A clean console: TensorFlow's native logs go to native.log, and the
+    # job leaves no iterator to finalise at exit.
+    for noise in ("GeneratorDataset", "cuInit", "cuda", "absl", "oneDNN",
+                  "_compute_log_a_frac", "retracing"):  # fmt: skip
+        assert noise not in err and noise not in out, noise
+    assert {"results.json", "roc.png", "backbone.keras", "native.log",
+            "simulated_deployment.txt", "simulated_deployment.json"} <= {
+        path.name for path in run_dir.iterdir()
+    }  # fmt: skip
+    for row in ("untrained", "public-pretrained", "DP-FedEmb", "non-private reference"):
+        assert row in out
+    assert "Simulated deployment (NOT this run's guarantee)" in out
+    results = json.loads((run_dir / "results.json").read_text())
+    deployment = results["simulated_deployment"]["deployment"]
+    # The run's noise was calibrated so the deployment spends the target.
+    assert 0.99 * 6 <= deployment["epsilon"] <= 6
+    assert results["privacy_statement"] is None  # Never the run's own claim.
+    assert results["private_steps"] == results["sizes"]["rounds"]
+    backbone = keras.saving.load_model(run_dir / "backbone.keras")
+    assert backbone.output_shape == (None, results["sizes"]["embedding_dim"])
+
+
+@pytest.mark.slow
+def test_the_main_job_can_calibrate_for_the_runs_own_epsilon(tmp_path):
+    out, _, run_dir = run_main_job(tmp_path, "--own-epsilon", "5", "--no-reference")
+    results = json.loads((run_dir / "results.json").read_text())
+    statement = results["privacy_statement"]
+    assert statement["unit"] == "user" and 0.99 * 5 <= statement["epsilon"] <= 5
+    assert (run_dir / "privacy_statement.txt").read_text().strip() in out
+    assert "non-private reference" not in out
 
 
 @pytest.mark.slow

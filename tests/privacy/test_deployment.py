@@ -462,3 +462,31 @@ def test_a_public_run_pool_is_not_guessed_for_another_population():
         )
     deployed = privacy.deployment_schedule(run, 2, 20_001, deployment_clients=7_001)
     assert deployed.pool_size == 7_001
+
+
+@pytest.mark.parametrize("users_per_client", [1, 4])
+def test_calibrate_run_noise_makes_the_deployment_spend_the_target(users_per_client):
+    run = privacy.Schedule.virtual_clients(
+        2_000, clients_per_round=16, users_per_client=users_per_client
+    )
+    users, scale, steps, delta, target = 1_000_000, 32, 50, 1e-8, 4.0
+    z = privacy.calibrate_run_noise(
+        run, steps, delta, target_epsilon=target, scale=scale, deployment_users=users
+    )
+    pool = math.ceil(users / users_per_client)
+    relation = (
+        dpa.NeighboringRelation.REPLACE_ONE
+        if users_per_client > 1
+        else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
+
+    def deployment_epsilon(deployment_z):
+        event = sampled_gaussian_run(scale * 16 / pool, deployment_z, steps)
+        return reference_epsilon(event, delta, "pld", relation)
+
+    assert deployment_epsilon(scale * z) <= target  # Never above the target ...
+    assert deployment_epsilon(0.99 * scale * z) > target  # ... and not loose.
+    statement = privacy.simulated_deployment(
+        run, z, steps, scale=scale, deployment_users=users, delta=delta
+    )
+    assert statement.deployment.epsilon <= target
