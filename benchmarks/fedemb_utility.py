@@ -66,6 +66,8 @@ class StudyConfig:
     # Centralized fine-tuning (the upper bound).
     centralized_epochs: int = 10
     centralized_lr: float = 1e-3
+    centralized_batch: int = 64
+    centralized_decay: int = 1  # 1: cosine decay of the learning rate; 0: constant.
     # FedEmb rounds.
     users_per_client: int = 4
     clients_per_round: int = 64
@@ -209,17 +211,20 @@ class Study:
         model = CentralizedBaseline(
             backbone, cfg.private_identities, head="cosine", head_scale=cfg.head_scale
         )
-        steps = cfg.centralized_epochs * -(-len(self.private[1]) // cfg.batch_size)
+        steps = cfg.centralized_epochs * -(
+            -len(self.private[1]) // cfg.centralized_batch
+        )
+        learning_rate = cfg.centralized_lr
+        if cfg.centralized_decay:
+            learning_rate = keras.optimizers.schedules.CosineDecay(learning_rate, steps)
         model.compile(
-            optimizer=keras.optimizers.Adam(
-                keras.optimizers.schedules.CosineDecay(cfg.centralized_lr, steps)
-            ),
+            optimizer=keras.optimizers.Adam(learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         model.fit(
             self.private[0],
             self.private[1],
-            batch_size=cfg.batch_size,
+            batch_size=cfg.centralized_batch,
             epochs=cfg.centralized_epochs,
             verbose=0,
         )

@@ -6,6 +6,7 @@ added once, and the server optimizer applies the noisy mean update to the
 backbone.
 """
 
+import math
 import numbers
 import warnings
 
@@ -543,7 +544,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         if deployment_clients is None and schedule.num_clients is not None:
             deployment_clients = max(
                 -(-deployment_users // schedule.users_per_client),
-                round(deployment_users * schedule.pool_size / schedule.population),
+                math.ceil(deployment_users * schedule.pool_size / schedule.population),
             )
         return privacy.simulated_deployment(
             schedule,
@@ -553,6 +554,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             deployment_users=deployment_users,
             delta=protocol.model_delta(self, delta, who="simulated_deployment"),
             deployment_clients=deployment_clients,
+            clip_norm=self.privacy_mechanism().clip_norm,
             accountant=accountant,
         )
 
