@@ -14,7 +14,8 @@ import keras
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb.errors import DataDependentScheduleWarning
+from kdpemb import privacy
+from kdpemb.errors import DataDependentScheduleWarning, PrivacyBudgetExhaustedError
 from kdpemb.models import (
     backbone_checks,
     backends,
@@ -230,14 +231,20 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             `delta`), prints it unless `verbose=0`, and sets
             `noise_multiplier`. Every later fit may only take the planned
             rounds not yet taken: one that would go past them is refused
-            before any round (`PrivacyBudgetExhaustedError`). Saved with
-            the model, with the plan.
+            before any round (`PrivacyBudgetExhaustedError`), also when a
+            callback restores a checkpoint as training begins; a round
+            past the plan is never run on the data. Saved with the model,
+            with the plan.
         planned_steps: int or None. The rounds `target_epsilon` is spent
             over. None (the default) plans the first fit's rounds
-            (epochs × rounds per epoch); give it to train over several
-            fits.
+            (epochs × rounds per epoch, with `steps_per_execution` k
+            ceil(steps_per_epoch / k) · k per epoch); give it to train
+            over several fits.
         calibrated_noise_multiplier: set by the first fit and saved with
-            the model; not for you to pass.
+            the model. Pass it (with the saved `planned_steps`) only to
+            resume from weights (`load_weights`) of rounds taken: the
+            first fit checks that it meets the target over
+            `planned_steps`.
         adaptive_clipping: `kdpemb.privacy.AdaptiveClipping` or None.
             Adaptive quantile clipping (Andrew et al. 2021): `clip_norm` is
             the initial C, and every round moves C (the model variable
@@ -538,8 +545,6 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 users.
             accountant: str. "pld" (default) or "rdp".
         """
-        from kdpemb import privacy
-
         schedule = self._known_schedule()
         if deployment_clients is None and schedule.num_clients is not None:
             deployment_clients = max(
@@ -635,9 +640,22 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         arguments = privacy_plan.fit_arguments(args, kwargs)
         verbose = privacy_plan.is_verbose(arguments)
         if self.target_epsilon is not None:
-            self._plan_budget(
-                privacy_plan.fit_steps(x, arguments, _known_length), verbose
-            )
+
+            def steps_of(initial_epoch):
+                return privacy_plan.fit_steps(
+                    x,
+                    arguments,
+                    _known_length,
+                    self.steps_per_execution,
+                    initial_epoch,
+                )
+
+            self._plan_budget(steps_of(self._initial_epoch), verbose)
+            # Checked again once the callbacks have begun (one may restore
+            # other weights); the round itself never goes past the plan.
+            guard = privacy_plan.PlanGuard(steps_of)
+            callbacks = privacy_plan.with_guard(arguments.get("callbacks"), guard, self)
+            args, kwargs = (), {**arguments, "callbacks": callbacks}
         self._reseed()
         schedule = self._schedule
         if verbose and self.train_function is None:
@@ -662,7 +680,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
     def _plan_budget(self, steps, verbose):
         """With a `target_epsilon`: calibrates the noise at the first fit (over
         `planned_steps`, or this fit's `steps`), then refuses a fit of
-        `steps` rounds that would go past the plan, before any round."""
+        `steps` rounds that would go past the plan, before any round. The
+        plan is fixed only by a fit that passes; a plan given to the
+        constructor is checked against the target once."""
         if steps is None:
             raise ValueError(
                 "With target_epsilon, fit must know how many rounds it runs, "
@@ -670,33 +690,67 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 "length): pass steps_per_epoch, or fit on VirtualClients or "
                 "their to_tf_dataset()."
             )
-        if self.calibrated_noise_multiplier is None:
-            planned = self.planned_steps or steps
-            schedule = self._known_schedule()
-            z = privacy_plan.calibrate(
-                schedule.privacy_mechanism(1.0),
-                planned,
-                self.target_epsilon,
-                self.delta,
-                verbose,
-                "FedEmbModel",
+        if self.calibrated_noise_multiplier is not None:
+            self._check_given_plan()
+            privacy_plan.check_budget(self, steps)
+            return
+        taken = protocol.read_private_steps(self)
+        if taken:
+            raise ValueError(
+                f"This FedEmbModel has taken {taken} private rounds (weights "
+                "loaded into a new model?) but does not know the noise they "
+                "were calibrated with: a new calibration would account them "
+                "at another noise and misstate ε. Load the whole model with "
+                "keras.saving.load_model, or build it with the saved "
+                "planned_steps=... and calibrated_noise_multiplier=... "
+                "(model.planned_steps and model.calibrated_noise_multiplier "
+                "of the model that took them)."
             )
-            if self.adaptive_clipping is not None:
-                # z is the round's z_eff: what the count leaves to the update.
-                clients = schedule.sample_size
-                z = self.adaptive_clipping.update_noise_multiplier(z, clients)
-                if verbose:
-                    sigma = self.adaptive_clipping.count_stddev_for(clients)
-                    print(
-                        f"FedEmbModel: with the count's noise σ_b = {sigma:.4g}, "
-                        f"the update's noise multiplier is {z:.4g}.",
-                        flush=True,
-                    )
-            with self._settings_unfrozen():
-                self.planned_steps = planned
-                self.calibrated_noise_multiplier = z
-                self.noise_multiplier = z
-        privacy_plan.check_budget(self, steps)
+        planned = self.planned_steps or steps
+        schedule = self._known_schedule()
+        z_eff = privacy_plan.calibrate(
+            schedule.privacy_mechanism(1.0),
+            planned,
+            self.target_epsilon,
+            self.delta,
+            verbose,
+            "FedEmbModel",
+        )
+        z = z_eff
+        if self.adaptive_clipping is not None:
+            # z is the round's z_eff: what the count leaves to the update.
+            clients = schedule.sample_size
+            z = self.adaptive_clipping.update_noise_multiplier(z_eff, clients)
+            if verbose:
+                sigma = self.adaptive_clipping.count_stddev_for(clients)
+                print(
+                    f"FedEmbModel: with the count's noise σ_b = {sigma:.4g}, "
+                    f"the update's noise multiplier is {z:.4g}.",
+                    flush=True,
+                )
+        if steps > planned:
+            # Refused before the plan is fixed: a later fit plans afresh.
+            after = privacy.epsilon(
+                schedule.privacy_mechanism(z_eff), steps, self.delta
+            )
+            raise PrivacyBudgetExhaustedError(
+                f"This fit's {steps} rounds are more than the planned_steps="
+                f"{planned} that target_epsilon={self.target_epsilon} (δ = "
+                f"{self.delta}) is spent over; at the calibrated noise they "
+                f"would take ε to {after:.4g}. Fit at most {planned} more rounds, "
+                "or build a new FedEmbModel with a larger planned_steps."
+            )
+        with self._settings_unfrozen():
+            self.planned_steps = planned
+            self.calibrated_noise_multiplier = z
+            self.noise_multiplier = z
+        self._plan_checked = True
+
+    def _check_given_plan(self):
+        """Checks a plan given to the constructor once per model."""
+        if not getattr(self, "_plan_checked", False):
+            privacy_plan.check_plan(self)
+            self._plan_checked = True
 
     def train_on_batch(self, *args, **kwargs):
         if self.target_epsilon is not None:
@@ -705,6 +759,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                     "A FedEmbModel with target_epsilon calibrates its noise at "
                     "its first fit, over the rounds it plans: fit it first."
                 )
+            self._check_given_plan()
             privacy_plan.check_budget(self, 1)
         return super().train_on_batch(*args, **kwargs)
 
@@ -825,6 +880,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             clipped, self.noise_multiplier, self.noise_seed
         )
         share = plumbing.noise_share()
+        within_plan = self._within_plan()
         if adaptive:
             clients = schedule.sample_size
             count_noise = quantile_clip.count_noise(
@@ -833,22 +889,32 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             noisy_count = plumbing.replica_sum(
                 quantile_clip.centred_count(clipped) + share * count_noise
             )
-            self.current_clip_norm.assign(
-                quantile_clip.next_clip_norm(
-                    clip_norm, noisy_count, clients, self.adaptive_clipping
-                )
+            next_clip_norm = quantile_clip.next_clip_norm(
+                clip_norm, noisy_count, clients, self.adaptive_clipping
             )
+            if within_plan is not None:
+                next_clip_norm = ops.where(within_plan, next_clip_norm, clip_norm)
+            self.current_clip_norm.assign(next_clip_norm)
         mean_update = [
             (total + share * n) / schedule.sample_size
             for total, n in zip(clipped.total, noise, strict=True)
         ]
+        if within_plan is not None:
+            # A round past the plan releases nothing computed from the data
+            # (a zero update; momentum still moves the weights) and is not
+            # counted.
+            mean_update = [
+                ops.where(within_plan, u, ops.zeros_like(u)) for u in mean_update
+            ]
         variables = list(self.backbone.trainable_variables)
         if self.aggregation == "full":
             variables.append(self.head)
         # The server optimizer descends the gradient -Δ (Keras sums the
         # replicas' gradients, so each passes its share).
         self.optimizer.apply([-u for u in mean_update], variables)
-        self.private_steps.assign_add(1)
+        self.private_steps.assign_add(
+            1 if within_plan is None else ops.cast(within_plan, "int32")
+        )
 
         # Only opted-in logs are computed from private data without noise.
         logs = {"private_steps": self.private_steps.value}
@@ -861,7 +927,30 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             logs["local_loss"] = plumbing.replica_sum(result.loss_sum) / ops.maximum(
                 count, 1.0
             )
+        if within_plan is not None:
+            for name in ("nonfinite_updates", "local_loss"):
+                if name in logs:
+                    logs[name] = ops.where(
+                        within_plan, logs[name], ops.zeros_like(logs[name])
+                    )
         return logs
+
+    def _within_plan(self):
+        """With a `target_epsilon`: whether this round is within the plan (a
+        traced bool), else None. The fit refuses, before any round, a fit
+        that would go past the plan; this holds where a callback changed
+        `private_steps` mid-fit, and no error can be raised from the traced
+        round: a round past the plan releases nothing computed from the
+        data (its update, C and opt-in logs are dropped) and is not
+        counted."""
+        if self.target_epsilon is None:
+            return None
+        if self.planned_steps is None:
+            raise ValueError(
+                "A FedEmbModel with target_epsilon plans its rounds at its "
+                "first fit: fit it first."
+            )
+        return ops.less(self.private_steps.value, self.planned_steps)
 
     def test_step(self, data):
         raise NotImplementedError(

@@ -7,6 +7,10 @@ spends exactly the target over them. Both are saved with the model. Every
 `fit` (the first included) that could take the step count past the plan
 is refused before any step, naming ε spent, the target and the steps
 left: more steps at the calibrated noise would spend more than the target.
+`PlanGuard` checks again once the fit's callbacks have begun (one may
+restore a checkpoint), and the model's step itself does nothing past the
+plan. A plan given to the constructor is checked against the target
+(`check_plan`).
 
 Used by `FedEmbModel`; `LastLayerDPClassifier` keeps its own plan (its
 steps per epoch come from its batch size, not from a round source).
@@ -83,14 +87,36 @@ def fit_arguments(args, kwargs):
     }
 
 
-def fit_steps(x, arguments, known_length):
+def fit_steps(x, arguments, known_length, steps_per_execution=1, initial_epoch=None):
     """The most steps a fit of `x` with these arguments can take; None if
-    unknown (an endless or unsized source without `steps_per_epoch`)."""
+    unknown (an endless or unsized source without `steps_per_epoch`).
+
+    Keras runs whole executions of `steps_per_execution` (k) steps while
+    data remains, so an epoch of `steps_per_epoch` s takes up to
+    ceil(s / k) · k steps, and never more than one pass over a source of
+    known length n; without `steps_per_epoch` it takes n (the last
+    execution is cut short). A nonzero `initial_epoch` overrides the
+    argument, as Keras' `model._initial_epoch` (set by `BackupAndRestore`)
+    does.
+
+    >>> fit_steps(None, {"epochs": 1, "steps_per_epoch": 3}, lambda x: 10, 2)
+    4
+    >>> fit_steps(None, {"epochs": 2}, lambda x: 3, 2)
+    6
+    """
     epochs = arguments.get("epochs", 1)
-    initial_epoch = arguments.get("initial_epoch", 0)
+    initial_epoch = initial_epoch or arguments.get("initial_epoch", 0)
     per_epoch = arguments.get("steps_per_epoch")
-    if per_epoch is None:
-        per_epoch = known_length(x)
+    length = known_length(x)
+    if not per_epoch:  # None or 0: one pass over the source.
+        per_epoch = length
+    elif int(per_epoch) < 0:  # Keras then runs until the source ends.
+        return None
+    else:
+        k = int(steps_per_execution)
+        per_epoch = -(-int(per_epoch) // k) * k
+        if length is not None:
+            per_epoch = min(per_epoch, length)
     if per_epoch is None:
         return None
     return max(0, int(epochs) - int(initial_epoch)) * int(per_epoch)
@@ -124,21 +150,23 @@ def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner):
     return float(z)
 
 
-def check_budget(model, steps, noun="rounds"):
+def check_budget(model, steps, noun="rounds", taken=None):
     """Refuses `steps` more steps if they would go past the planned ones.
 
     The noise was calibrated so that `model.planned_steps` steps meet
     `model.target_epsilon`: any step beyond them would spend more.
+    `taken` defaults to the model's `private_steps`.
     """
     if model.target_epsilon is None:
         return
-    taken = protocol.read_private_steps(model)
+    if taken is None:
+        taken = protocol.read_private_steps(model)
     if taken + steps <= model.planned_steps:
         return
     mechanism = model.privacy_mechanism()
     spent = privacy.epsilon(mechanism, taken, model.delta) if taken else 0.0
     after = privacy.epsilon(mechanism, taken + steps, model.delta)
-    left = model.planned_steps - taken
+    left = max(0, model.planned_steps - taken)
     cls = type(model).__name__
     raise PrivacyBudgetExhaustedError(
         f"This {cls} has spent ε = {spent:.4g} of its "
@@ -148,3 +176,65 @@ def check_budget(model, steps, noun="rounds"):
         f"{left} more {noun}, or build a new {cls} with a larger "
         "target_epsilon or planned_steps (or a fixed noise_multiplier)."
     )
+
+
+# Float round-off between a calibrated multiplier and the one a model
+# rebuilds from it (e.g. adaptive clipping's z_eff); calibration itself
+# meets the target exactly on the same accountant.
+PLAN_RTOL = 1e-6
+
+
+def check_plan(model):
+    """Refuses a plan whose noise does not meet its target: ε of the
+    model's mechanism over `planned_steps` must be at most `target_epsilon`
+    (up to `PLAN_RTOL` of it). A plan calibrated by a fit meets it; this
+    checks one given to the constructor (a loaded model's, or a wrong one).
+    """
+    cls = type(model).__name__
+    epsilon = privacy.epsilon(
+        model.privacy_mechanism(), model.planned_steps, model.delta
+    )
+    if epsilon > model.target_epsilon * (1 + PLAN_RTOL):
+        raise ValueError(
+            f"This {cls}'s calibrated_noise_multiplier="
+            f"{model.calibrated_noise_multiplier:g} spends ε = {epsilon:.4g} "
+            f"over its planned_steps={model.planned_steps} at δ = "
+            f"{model.delta}, more than its target_epsilon="
+            f"{model.target_epsilon}. calibrated_noise_multiplier is set by "
+            "the first fit (and kept by keras.saving.load_model): build the "
+            f"{cls} without it, or pass the one a fit calibrated for this "
+            "target, δ, schedule and planned_steps."
+        )
+
+
+class PlanGuard(keras.callbacks.Callback):
+    """Checks the plan again when training begins, after every other
+    callback: one of them may have restored another `private_steps` or
+    start epoch (`keras.callbacks.BackupAndRestore`). Refuses the fit,
+    before any round, if its remaining rounds would go past the plan.
+
+    Args:
+        steps_of: callable `initial_epoch -> most rounds of the fit`.
+        noun: str. What a step is called in the message.
+    """
+
+    def __init__(self, steps_of, noun="rounds"):
+        super().__init__()
+        self.steps_of, self.noun = steps_of, noun
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        steps = self.steps_of(model._initial_epoch)
+        check_budget(model, steps, self.noun)
+
+
+def with_guard(callbacks, guard, model):
+    """`callbacks` (a list, a `CallbackList` or None) with `guard` last
+    (replacing the guard of an earlier fit in a `CallbackList`)."""
+    guard.set_model(model)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks[:] = [
+            c for c in callbacks.callbacks if not isinstance(c, PlanGuard)
+        ] + [guard]
+        return callbacks
+    return [*(callbacks or ()), guard]

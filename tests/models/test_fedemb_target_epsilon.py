@@ -141,3 +141,170 @@ def test_an_unsized_round_source_is_refused_with_a_target():
     with pytest.raises(ValueError, match="steps_per_epoch"):
         model.fit(endless(), epochs=1, verbose=0)
     assert model.noise_multiplier is None
+
+
+def test_steps_per_execution_rounds_are_planned():
+    # Keras runs whole executions of steps_per_execution (k) rounds: an
+    # epoch of steps_per_epoch=3 at k=2 runs 4 rounds.
+    clients = tiny_clients(rounds_per_epoch=10)
+    model = FedEmbModel(
+        ref.linear_backbone(),
+        client_optimizer=0.1,
+        clip_norm=0.5,
+        target_epsilon=TARGET,
+        delta=DELTA,
+        client_parallelism=1,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1.0), steps_per_execution=2)
+    model.fit(clients, epochs=1, steps_per_epoch=3, verbose=0)
+    taken = protocol.read_private_steps(model)
+    assert taken == 4 and taken <= model.planned_steps
+    q = clients.schedule.sampling_probability
+    assert dp_accounting_epsilon(model.noise_multiplier, q, taken) <= TARGET
+
+
+def test_weights_loaded_into_a_new_model_are_not_recalibrated(tmp_path):
+    clients = tiny_clients()
+    trained = target_model(schedule=clients.schedule)
+    trained.fit(clients, epochs=1, verbose=0)
+    path = tmp_path / "trained.weights.h5"
+    trained.save_weights(path)
+    fresh = target_model(schedule=clients.schedule)
+    fresh.load_weights(path)
+    with pytest.raises(ValueError, match=r"keras\.saving\.load_model"):
+        fresh.fit(clients, epochs=1, verbose=0)
+    assert fresh.noise_multiplier is None and fresh.planned_steps is None
+    # With the plan of the model that took the rounds, it keeps counting.
+    plan = {
+        "planned_steps": trained.planned_steps + clients.rounds_per_epoch,
+        "calibrated_noise_multiplier": trained.noise_multiplier,
+    }
+    # That plan (more rounds at the same z) misses the target: refused.
+    q = clients.schedule.sampling_probability
+    assert dp_accounting_epsilon(trained.noise_multiplier, q, plan["planned_steps"]) > (
+        TARGET
+    )
+    resumed = target_model(schedule=clients.schedule, **plan)
+    resumed.load_weights(path)
+    with pytest.raises(ValueError, match="more than its target_epsilon"):
+        resumed.fit(clients, epochs=1, verbose=0)
+    assert protocol.read_private_steps(resumed) == clients.rounds_per_epoch
+
+
+def test_a_refused_first_fit_fixes_no_plan():
+    clients = tiny_clients()
+    model = target_model(planned_steps=1)
+    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 1 more round"):
+        model.fit(clients, epochs=1, verbose=0)
+    assert model.noise_multiplier is None
+    assert model.calibrated_noise_multiplier is None
+
+
+def test_a_given_calibrated_noise_multiplier_must_meet_the_target():
+    clients = tiny_clients()
+    # dp-accounting: z = 0.8 over 8 rounds spends more than the target.
+    q = clients.schedule.sampling_probability
+    assert dp_accounting_epsilon(0.8, q, 8) > TARGET
+    model = target_model(
+        schedule=clients.schedule, planned_steps=8, calibrated_noise_multiplier=0.8
+    )
+    before = kernel(model)
+    with pytest.raises(ValueError, match=r"calibrated_noise_multiplier=0\.8"):
+        model.fit(clients, epochs=2, verbose=0)
+    with pytest.raises(ValueError, match=r"calibrated_noise_multiplier=0\.8"):
+        model.train_on_batch(clients[0])
+    assert protocol.read_private_steps(model) == 0
+    np.testing.assert_array_equal(kernel(model), before)
+
+
+def test_a_given_plan_that_meets_the_target_is_accepted():
+    clients = tiny_clients()
+    first = target_model(schedule=clients.schedule, planned_steps=6)
+    first.fit(clients, epochs=1, verbose=0)
+    again = target_model(
+        schedule=clients.schedule,
+        planned_steps=6,
+        calibrated_noise_multiplier=first.noise_multiplier,
+    )
+    again.fit(clients, epochs=1, verbose=0)
+    assert protocol.read_private_steps(again) == clients.rounds_per_epoch
+
+
+class _Restores(keras.callbacks.Callback):
+    """Sets `private_steps` when training begins (as `BackupAndRestore`
+    does when it loads a checkpoint) or before batch `at_batch`."""
+
+    def __init__(self, steps, at_batch=None):
+        super().__init__()
+        self.steps, self.at_batch = steps, at_batch
+        self.kernel = None
+
+    def _restore(self):
+        if keras.backend.backend() == "jax":
+            self.model.jax_state_sync()  # The next round reads the variables.
+        self.model.private_steps.assign(self.steps)
+        self.kernel = kernel(self.model)
+
+    def on_train_begin(self, logs=None):
+        if self.at_batch is None:
+            self._restore()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.at_batch:
+            self._restore()
+
+
+def test_steps_restored_when_training_begins_are_checked():
+    clients = tiny_clients()
+    planned = clients.rounds_per_epoch
+    model = target_model(schedule=clients.schedule, planned_steps=planned)
+    before = kernel(model)
+    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 1 more round"):
+        model.fit(clients, epochs=1, verbose=0, callbacks=[_Restores(planned - 1)])
+    np.testing.assert_array_equal(kernel(model), before)
+    assert protocol.read_private_steps(model) == planned - 1
+
+
+def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
+    clients = tiny_clients(rounds_per_epoch=3)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(np.asarray(logs["private_steps"])) == 5:
+                raise KeyboardInterrupt
+
+    backup = str(tmp_path / "backup")
+    crashed = target_model(schedule=clients.schedule)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit(
+            clients,
+            epochs=2,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()],
+        )
+    resumed = target_model(
+        schedule=clients.schedule,
+        planned_steps=crashed.planned_steps,
+        calibrated_noise_multiplier=crashed.noise_multiplier,
+    )
+    # Keras would rerun all of epoch 1 (3 rounds) from round 5 of 6.
+    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 1 more round"):
+        resumed.fit(
+            clients,
+            epochs=2,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)],
+        )
+    assert protocol.read_private_steps(resumed) == 5
+
+
+def test_a_round_past_the_plan_uses_no_data_and_is_not_counted():
+    # A callback that moves private_steps mid-fit: the rounds past the
+    # plan (traced, so they cannot raise) change nothing and count nothing.
+    clients = tiny_clients()
+    planned = clients.rounds_per_epoch
+    model = target_model(schedule=clients.schedule, planned_steps=planned)
+    restore = _Restores(planned, at_batch=1)  # Before the second of 3 rounds.
+    model.fit(clients, epochs=1, verbose=0, callbacks=[restore])
+    assert protocol.read_private_steps(model) == planned
+    np.testing.assert_array_equal(kernel(model), restore.kernel)
