@@ -70,24 +70,46 @@ def test_the_main_job_writes_its_run_and_states_a_simulated_deployment(tmp_path)
     out, err, run_dir = run_main_job(tmp_path, "--target-epsilon", "6")
     # A clean console: TensorFlow's native logs go to native.log, and the
     # job leaves no iterator to finalise at exit.
-    for noise in ("GeneratorDataset", "cuInit", "cuda", "absl", "oneDNN",
-                  "_compute_log_a_frac", "retracing"):  # fmt: skip
-        assert noise not in err and noise not in out, noise
-    assert {"results.json", "roc.png", "backbone.keras", "native.log",
-            "simulated_deployment.txt", "simulated_deployment.json"} <= {
-        path.name for path in run_dir.iterdir()
+    assert err == "", err[-2000:]
+    for noise in ("GeneratorDataset", "cuInit", "absl", "oneDNN", "retracing"):
+        assert noise not in out, noise
+    results = json.loads((run_dir / "results.json").read_text())
+    assert set(results["files"]) == {path.name for path in run_dir.iterdir()} == {
+        "results.json", "roc.png", "backbone.keras", "native.log",
+        "simulated_deployment.txt", "simulated_deployment.json",
     }  # fmt: skip
     for row in ("untrained", "public-pretrained", "DP-FedEmb", "non-private reference"):
-        assert row in out
+        assert row in out and row in results["recall_on_held_out_identities"]
     assert "Simulated deployment (NOT this run's guarantee)" in out
-    results = json.loads((run_dir / "results.json").read_text())
-    deployment = results["simulated_deployment"]["deployment"]
-    # The run's noise was calibrated so the deployment spends the target.
-    assert 0.99 * 6 <= deployment["epsilon"] <= 6
+    assert "This run's own guarantee: None meaningful" in out
     assert results["privacy_statement"] is None  # Never the run's own claim.
-    assert results["private_steps"] == results["sizes"]["rounds"]
+    simulated = results["simulated_deployment"]
+    deployment = simulated["deployment"]
+    # The run's z was calibrated so that the stated deployment (10M users,
+    # pools of 4, δ = 1e-8, 64× noise) spends the target, and no more.
+    assert 0.99 * 6 <= deployment["epsilon"] <= 6
+    assert deployment["population"] == 10_000_000
+    assert deployment["delta"] == pytest.approx(1e-8)
+    assert deployment["noise_multiplier"] == pytest.approx(
+        64 * results["noise_multiplier"]
+    )
+    assert deployment["sampling_probability"] == pytest.approx(
+        64 * results["sizes"]["clients_per_round"] / 2_500_000
+    )
+    assert results["private_steps"] == deployment["steps"] == results["sizes"]["rounds"]
     backbone = keras.saving.load_model(run_dir / "backbone.keras")
     assert backbone.output_shape == (None, results["sizes"]["embedding_dim"])
+
+
+def test_the_main_job_refuses_a_bad_deployment_before_training(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_dp_fedemb.py"), "--quick",
+         "--runs-dir", str(tmp_path), "--deployment-users", "100"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "ValueError" in result.stderr and "deployment_users" in result.stderr
+    assert "pretraining" not in result.stdout  # Refused before any training.
 
 
 @pytest.mark.slow
