@@ -650,10 +650,12 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                     initial_epoch,
                 )
 
-            self._plan_budget(steps_of(self._initial_epoch), verbose)
+            calibrated = self._plan_budget(steps_of(self._initial_epoch), verbose)
             # Checked again once the callbacks have begun (one may restore
             # other weights); the round itself never goes past the plan.
-            guard = privacy_plan.PlanGuard(steps_of)
+            guard = privacy_plan.PlanGuard(
+                steps_of, on_restored_steps=self._forget_plan if calibrated else None
+            )
             callbacks = privacy_plan.with_guard(arguments.get("callbacks"), guard, self)
             args, kwargs = (), {**arguments, "callbacks": callbacks}
         self._reseed()
@@ -682,7 +684,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         `planned_steps`, or this fit's `steps`), then refuses a fit of
         `steps` rounds that would go past the plan, before any round. The
         plan is fixed only by a fit that passes; a plan given to the
-        constructor is checked against the target once."""
+        constructor is checked against the target once. Returns whether
+        this call calibrated."""
         if steps is None:
             raise ValueError(
                 "With target_epsilon, fit must know how many rounds it runs, "
@@ -693,7 +696,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         if self.calibrated_noise_multiplier is not None:
             self._check_given_plan()
             privacy_plan.check_budget(self, steps)
-            return
+            return False
         taken = protocol.read_private_steps(self)
         if taken:
             raise ValueError(
@@ -740,11 +743,23 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 f"would take ε to {after:.4g}. Fit at most {planned} more rounds, "
                 "or build a new FedEmbModel with a larger planned_steps."
             )
+        self._given_planned_steps = self.planned_steps
         with self._settings_unfrozen():
             self.planned_steps = planned
             self.calibrated_noise_multiplier = z
             self.noise_multiplier = z
         self._plan_checked = True
+        return True
+
+    def _forget_plan(self):
+        """Undoes this fit's calibration: a callback restored rounds that
+        were taken at a noise this model does not know."""
+        with self._settings_unfrozen():
+            self.planned_steps = self._given_planned_steps
+            self.calibrated_noise_multiplier = None
+            self.noise_multiplier = None
+        self._plan_checked = False
+        self.train_function = None
 
     def _check_given_plan(self):
         """Checks a plan given to the constructor once per model."""

@@ -216,14 +216,33 @@ class PlanGuard(keras.callbacks.Callback):
     Args:
         steps_of: callable `initial_epoch -> most rounds of the fit`.
         noun: str. What a step is called in the message.
+        on_restored_steps: callable or None. Given when this fit has just
+            calibrated the noise (with no steps taken): steps found at
+            train begin were then restored by a callback from rounds taken
+            at a noise the plan does not know, so the fit is refused after
+            calling it (to undo the calibration).
     """
 
-    def __init__(self, steps_of, noun="rounds"):
+    def __init__(self, steps_of, noun="rounds", on_restored_steps=None):
         super().__init__()
         self.steps_of, self.noun = steps_of, noun
+        self.on_restored_steps = on_restored_steps
 
     def on_train_begin(self, logs=None):
         model = self.model
+        taken = protocol.read_private_steps(model)
+        if self.on_restored_steps is not None and taken:
+            self.on_restored_steps()
+            raise ValueError(
+                f"A callback restored {taken} private {self.noun} taken before "
+                "(keras.callbacks.BackupAndRestore?) into a model that has just "
+                "calibrated its noise: those rounds used a noise this model "
+                "does not know, so ε would be misstated. Resume with the plan "
+                "of the model that took them: build it with planned_steps=... "
+                "and calibrated_noise_multiplier=... (its model.planned_steps "
+                "and model.calibrated_noise_multiplier), or load it with "
+                "keras.saving.load_model."
+            )
         steps = self.steps_of(model._initial_epoch)
         check_budget(model, steps, self.noun)
 

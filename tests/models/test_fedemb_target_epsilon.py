@@ -256,8 +256,9 @@ class _Restores(keras.callbacks.Callback):
 
 def test_steps_restored_when_training_begins_are_checked():
     clients = tiny_clients()
-    planned = clients.rounds_per_epoch
+    planned = 2 * clients.rounds_per_epoch
     model = target_model(schedule=clients.schedule, planned_steps=planned)
+    model.fit(clients, epochs=1, verbose=0)  # Calibrates; half the plan.
     before = kernel(model)
     with pytest.raises(PrivacyBudgetExhaustedError, match="at most 1 more round"):
         model.fit(clients, epochs=1, verbose=0, callbacks=[_Restores(planned - 1)])
@@ -296,6 +297,39 @@ def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
             callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)],
         )
     assert protocol.read_private_steps(resumed) == 5
+
+
+def test_a_fresh_plan_refuses_rounds_a_backup_restores_at_train_begin(tmp_path):
+    # The crashed run's noise is unknown to a new model that plans afresh:
+    # resuming its backup would account its rounds at the new noise.
+    clients = tiny_clients(rounds_per_epoch=3)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(np.asarray(logs["private_steps"])) == 5:
+                raise KeyboardInterrupt
+
+    backup = str(tmp_path / "backup")
+    crashed = target_model(schedule=clients.schedule)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit(
+            clients,
+            epochs=2,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()],
+        )
+    resumed = target_model(schedule=clients.schedule, planned_steps=100)
+    with pytest.raises(ValueError, match="restored 5 private rounds"):
+        resumed.fit(
+            clients,
+            epochs=2,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)],
+        )
+    # Nothing ran, and the calibration of the refused fit is undone.
+    assert protocol.read_private_steps(resumed) == 5
+    assert resumed.calibrated_noise_multiplier is None
+    assert resumed.noise_multiplier is None and resumed.planned_steps == 100
 
 
 def test_a_round_past_the_plan_uses_no_data_and_is_not_counted():
