@@ -186,8 +186,8 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
     ...                              keras.layers.Rescaling(1 / 255),
     ...                              keras.layers.Flatten(),
     ...                              keras.layers.Dense(4)])
-    >>> model = FedEmbModel(backbone, noise_multiplier=1.0)
-    >>> clip_norm = suggest_clip_norm(model, public, rounds=2)
+    >>> model = FedEmbModel(backbone, noise_multiplier=1.0, head_init="random")
+    >>> clip_norm = suggest_clip_norm(model, public, rounds=4)
     >>> clip_norm > 0
     True
     """
