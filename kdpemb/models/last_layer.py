@@ -26,7 +26,7 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models import backends, last_layer_inputs, private_state
+from kdpemb.models import backends, last_layer_inputs, privacy_plan, private_state
 from kdpemb.models.device_rows import DeviceRows
 from kdpemb.models.dp_sgd_head import DPSGDHead, dense_gradient_norms
 from kdpemb.models.frozen_settings import FrozenSettings
@@ -191,16 +191,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             if feature_clip_norm is None
             else validation.check_positive(feature_clip_norm, "feature_clip_norm")
         )
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError(
-                "Pass exactly one of noise_multiplier and target_epsilon (with "
-                f"delta); got noise_multiplier={noise_multiplier!r}, "
-                f"target_epsilon={target_epsilon!r}."
-            )
-        if target_epsilon is not None:
-            validation.check_target_epsilon(target_epsilon)
-            if delta is None:
-                raise ValueError("target_epsilon needs delta.")
+        privacy_plan.check_noise_or_target(noise_multiplier, target_epsilon, delta)
         self.noise_multiplier = (
             None
             if noise_multiplier is None

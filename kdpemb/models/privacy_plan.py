@@ -35,18 +35,34 @@ from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.privacy import protocol
 
 
-def check_settings(noise_multiplier, target_epsilon, delta, planned, calibrated):
-    """`(noise_multiplier, target_epsilon, planned_steps, calibrated)`, checked.
-
-    `noise_multiplier` is the one given, or the calibrated one (None until
-    the first fit) for a `target_epsilon`.
-    """
+def check_noise_or_target(noise_multiplier, target_epsilon, delta):
+    """Exactly one of `noise_multiplier` and `target_epsilon`, and a target
+    only with `delta`; returns the checked target (None without one)."""
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError(
             "Pass exactly one of noise_multiplier and target_epsilon (with "
             f"delta); got noise_multiplier={noise_multiplier!r}, "
             f"target_epsilon={target_epsilon!r}."
         )
+    if target_epsilon is None:
+        return None
+    target_epsilon = validation.check_target_epsilon(target_epsilon)
+    if delta is None:
+        raise ValueError(
+            f"target_epsilon={target_epsilon:g} needs delta: the noise is "
+            "calibrated for (target_epsilon, delta)-DP. Pass delta=..., well "
+            "below 1 / (number of users)."
+        )
+    return target_epsilon
+
+
+def check_settings(noise_multiplier, target_epsilon, delta, planned, calibrated):
+    """`(noise_multiplier, target_epsilon, planned_steps, calibrated)`, checked.
+
+    `noise_multiplier` is the one given, or the calibrated one (None until
+    the first fit) for a `target_epsilon`.
+    """
+    target_epsilon = check_noise_or_target(noise_multiplier, target_epsilon, delta)
     if noise_multiplier is not None:
         if planned is not None or calibrated is not None:
             raise ValueError(
@@ -55,13 +71,6 @@ def check_settings(noise_multiplier, target_epsilon, delta, planned, calibrated)
                 "at a budget with kdpemb.callbacks.PrivacyBudget(target_epsilon=...)."
             )
         return validation.check_noise_multiplier(noise_multiplier), None, None, None
-    target_epsilon = validation.check_target_epsilon(target_epsilon)
-    if delta is None:
-        raise ValueError(
-            f"target_epsilon={target_epsilon:g} needs delta: the noise is "
-            "calibrated for (target_epsilon, delta)-DP. Pass delta=..., well "
-            "below 1 / (number of users)."
-        )
     if planned is not None:
         planned = validation.check_positive_int(planned, "planned_steps")
     if calibrated is not None:

@@ -266,7 +266,9 @@ def test_steps_restored_when_training_begins_are_checked():
     assert protocol.read_private_steps(model) == planned - 1
 
 
-def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
+def crashed_with_backup(tmp_path):
+    """`(clients, model, backup dir)` of a fit planned for 6 rounds that
+    crashed after round 5, backed up by `BackupAndRestore` every round."""
     clients = tiny_clients(rounds_per_epoch=3)
 
     class Crash(keras.callbacks.Callback):
@@ -283,6 +285,11 @@ def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
             verbose=0,
             callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()],
         )
+    return clients, crashed, backup
+
+
+def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
+    clients, crashed, backup = crashed_with_backup(tmp_path)
     resumed = target_model(
         schedule=clients.schedule,
         planned_steps=crashed.planned_steps,
@@ -302,22 +309,7 @@ def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
 def test_a_fresh_plan_refuses_rounds_a_backup_restores_at_train_begin(tmp_path):
     # The crashed run's noise is unknown to a new model that plans afresh:
     # resuming its backup would account its rounds at the new noise.
-    clients = tiny_clients(rounds_per_epoch=3)
-
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(np.asarray(logs["private_steps"])) == 5:
-                raise KeyboardInterrupt
-
-    backup = str(tmp_path / "backup")
-    crashed = target_model(schedule=clients.schedule)
-    with pytest.raises(KeyboardInterrupt):
-        crashed.fit(
-            clients,
-            epochs=2,
-            verbose=0,
-            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()],
-        )
+    clients, _, backup = crashed_with_backup(tmp_path)
     resumed = target_model(schedule=clients.schedule, planned_steps=100)
     with pytest.raises(ValueError, match="restored 5 private rounds"):
         resumed.fit(
