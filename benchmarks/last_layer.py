@@ -513,8 +513,8 @@ def non_private(config, data=None):
     return {"figures": {f"non-private {k}": v for k, v in figures.items()}}
 
 
-def utility(quick=False, config=None):
-    """Parts 1-4; see the module docstring."""
+def fashion_mnist(quick=False, config=None):
+    """Parts 1-4 on Fashion-MNIST; see the module docstring."""
     config = config or (QUICK_UTILITY if quick else UtilityConfig())
     _quiet()
     data = features(config)
@@ -709,7 +709,7 @@ def speed(quick=False, config=None):
 def run(quick=False):
     """Speed, then utility; see the module docstring."""
     speed_result = speed(quick)
-    utility_result = utility(quick)
+    utility_result = fashion_mnist(quick)
     return {
         "figures": {**utility_result["figures"], **speed_result["figures"]},
         "ratios": {**utility_result["ratios"], **speed_result["ratios"]},
@@ -723,16 +723,25 @@ def run(quick=False):
 def main(argv=None):
     """`python -m benchmarks.last_layer PART [--quick]`, one part as JSON.
 
-    PART: all, utility, speed, pretraining, initialization, methods [EPS],
-    non-private, wide.
+    PART: all, fashion-mnist, speed, pretraining, initialization, methods
+    [EPS], non-private, wide; or `utility [--quick] [--output DIR] [--sizes
+    N,...] [--no-ablations]`, the study in the papers' regime
+    (`benchmarks.last_layer_regime`), which writes its table and curves.
     """
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["utility"]:
+        from benchmarks import last_layer_regime
+
+        _quiet()
+        summary = last_layer_regime.main(args[1:])
+        print(last_layer_regime.markdown(summary))
+        return 0
     quick = "--quick" in args
     args = [a for a in args if a != "--quick"]
     config = QUICK_UTILITY if quick else UtilityConfig()
     parts = {
         "all": lambda: run(quick),
-        "utility": lambda: utility(quick),
+        "fashion-mnist": lambda: fashion_mnist(quick),
         "speed": lambda: speed(quick),
         "pretraining": lambda: pretraining(config),
         "initialization": lambda: initialization(config),

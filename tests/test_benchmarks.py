@@ -117,3 +117,52 @@ def test_step_clock_times_steps_within_an_epoch_only(monkeypatch):
             clock.on_train_batch_end(step)
     assert clock.intervals == [1.0] * 5
     assert clock.step_seconds() == 1.0
+
+
+@pytest.mark.slow
+def test_last_layer_utility_tunes_on_public_data_and_writes_table_and_curves(
+    tmp_path, capsys
+):
+    from benchmarks import last_layer
+    from benchmarks import last_layer_regime as regime
+
+    assert last_layer.main(["utility", "--quick", "--output", str(tmp_path)]) == 0
+    assert "| DP-Newton |" in capsys.readouterr().out
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    config = regime.QUICK
+    sizes = {p * config.num_classes for p in config.train_per_class}
+    for record in records:
+        if record["kind"] != "private":
+            continue
+        tuning = [
+            r for r in records if r["kind"] == "tuning" and r["task"] == "tuning"
+            and all(r[k] == record[k] for k in ("group", "method", "n", "epsilon"))
+        ]  # fmt: skip
+        # The setting run privately is the best one on the public task.
+        best = max(r["accuracy"] for r in tuning)
+        chosen = [r for r in tuning if r["setting"] == record["setting"]]
+        assert chosen and chosen[0]["accuracy"] == best
+        if math.isfinite(record["epsilon"]):
+            assert 0.99 * record["epsilon"] < record["epsilon_spent"]
+            assert record["epsilon_spent"] <= record["epsilon"]
+    # ε = ∞: the logistic methods train on the l2 of the public optimum.
+    for n in sizes:
+        (public,) = [
+            r for r in records
+            if r["kind"] == "logistic" and r["task"] == "private" and r["n"] == n
+        ]  # fmt: skip
+        for method in ("dp-newton", "dp-fc"):
+            (row,) = [
+                r for r in records if r["kind"] == "private" and r["n"] == n
+                and r["method"] == method and r["epsilon"] == math.inf
+            ]  # fmt: skip
+            assert row["setting"]["l2"] == public["l2"]
+            assert row["ridge"] == pytest.approx(public["l2"] * n)
+        assert (tmp_path / f"last_layer_n{n}.png").stat().st_size > 0
+    table = (tmp_path / "table.md").read_text()
+    for label in regime.LABELS.values():
+        assert f"| {label} |" in table
+    # A rerun measures nothing again.
+    regime.main(["--quick", "--output", str(tmp_path)])
+    assert (tmp_path / "records.jsonl").read_text().splitlines() == lines

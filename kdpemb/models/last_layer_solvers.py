@@ -107,18 +107,24 @@ class ClosedFormSolver:
         raise NotImplementedError
 
     def _newton_like_step(self, model, gradient, curvature, second_order, n):
-        """Solves `(H_c + λ I) Δ_c = g_c + λ w_c` per class; optimizer applies Δ."""
+        """Solves `(H_c + λ I) Δ_c = g_c + λ w_c` per class; optimizer applies Δ.
+
+        `curvature` is `[K, d, d]`, one matrix per class, or one `[d, d]`
+        matrix shared by every class (solved once for all K columns).
+        """
         weights = _kernel(model)
         ridge = self.ridge(second_order, n, weights.shape[0])
-        direction = np.stack(
-            [
-                stats.solve_ridge(
-                    curvature[c], gradient[:, c] + ridge * weights[:, c], ridge
-                )
-                for c in range(self.num_classes)
-            ],
-            axis=1,
-        )
+        right_hand_side = gradient + ridge * weights
+        if curvature.ndim == 2:
+            direction = stats.solve_ridge(curvature, right_hand_side, ridge)
+        else:
+            direction = np.stack(
+                [
+                    stats.solve_ridge(curvature[c], right_hand_side[:, c], ridge)
+                    for c in range(self.num_classes)
+                ],
+                axis=1,
+            )
         model.optimizer.apply(
             [ops.convert_to_tensor(direction.astype("float32"))], [model.head.kernel]
         )
@@ -270,10 +276,9 @@ class DPFeatureCovariance(ClosedFormSolver):
             model.covariance_released.assign(1)
         k = self.num_classes
         shared = np.asarray(keras.ops.convert_to_numpy(model.covariance), np.float64)
-        shared = shared * ((1.0 / k) * (1.0 - 1.0 / k))
-        curvature = np.broadcast_to(shared, (k, dim, dim))
+        shared = shared * ((1.0 / k) * (1.0 - 1.0 / k))  # Every class's block.
         self._newton_like_step(
-            model, gradient, curvature, covariance_release, len(features)
+            model, gradient, shared, covariance_release, len(features)
         )
 
 

@@ -250,16 +250,27 @@ class ClosedFormReleases:
         return to_numpy(self.model.head.kernel)
 
     def gradient_steps(self, num_classes):
-        """[(kernel, right-hand side [d, K], ridge)] per step (Newton, FC)."""
-        assert len(self.solves) % num_classes == 0
-        steps = []
-        for start in range(0, len(self.solves), num_classes):
-            group = self.solves[start : start + num_classes]
-            kernels = [g[0] for g in group]
-            assert all(np.array_equal(k, kernels[0]) for k in kernels)
-            steps.append(
-                (kernels[0], np.stack([g[1] for g in group], axis=1), group[0][2])
-            )
+        """[(kernel, right-hand side [d, K], ridge)] per step (Newton, FC).
+
+        DP-Newton solves each class's column with its own Hessian (K
+        solves a step); DP-FC solves all K columns with the one shared
+        covariance (one solve with a [d, K] right-hand side).
+        """
+        steps, pending = [], []
+        for kernel, right_hand_side, ridge in self.solves:
+            if right_hand_side.ndim == 2:
+                assert not pending and right_hand_side.shape[1] == num_classes
+                steps.append((kernel, right_hand_side, ridge))
+                continue
+            pending.append((kernel, right_hand_side, ridge))
+            if len(pending) == num_classes:
+                kernels = [g[0] for g in pending]
+                assert all(np.array_equal(k, kernels[0]) for k in kernels)
+                steps.append(
+                    (kernels[0], np.stack([g[1] for g in pending], axis=1), ridge)
+                )
+                pending = []
+        assert not pending
         return steps
 
 
