@@ -458,6 +458,8 @@ class Study:
         self.records_path = self.output / "records.jsonl"
         self.log = log
         self.done = {}
+        # (group, method, N, ε) -> the private runs of the chosen setting.
+        self.chosen = {}
         if self.records_path.exists():
             for line in self.records_path.read_text().splitlines():
                 record = json.loads(line)
@@ -543,6 +545,7 @@ class Study:
             )
             for seed in seeds
         ]
+        self.chosen[(kind, method, n, epsilon)] = runs
         return setting, tuning_accuracy, runs
 
     def main_grid(self, sizes=None):
@@ -618,12 +621,12 @@ def _short(record):
 
 
 def summarize(study):
-    """Rows per (group, method, N, ε): the chosen setting and mean ± std."""
-    runs = {}
-    for record in study.done.values():
-        if record["kind"] == "private":
-            key = (record["group"], record["method"], record["n"], record["epsilon"])
-            runs.setdefault(key, []).append(record)
+    """Rows per (group, method, N, ε) of this run: the chosen setting, mean ± std.
+
+    Only the configurations chosen by this invocation's grids are shown;
+    other records in `records.jsonl` (older grids) are kept but not used.
+    """
+    runs = study.chosen
     rows = []
     for (group, method, n, epsilon), records in runs.items():
         accuracies = [r["accuracy"] for r in records]
@@ -648,10 +651,11 @@ def summarize(study):
             }
         )
     rows.sort(key=lambda r: (r["group"], r["n"], r["method"], r["epsilon"]))
+    sizes = {n for (_, _, n, _) in runs}
     optima = {
         r["n"]: (r["l2"], r["accuracy"])
         for r in study.done.values()
-        if r["kind"] == "logistic" and r["task"] == "private"
+        if r["kind"] == "logistic" and r["task"] == "private" and r["n"] in sizes
     }
     return {"rows": rows, "logistic_optima": optima}
 
