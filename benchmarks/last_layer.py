@@ -1,5 +1,8 @@
 """Last-layer DP fine-tuning: accuracy on Fashion-MNIST features, and speed.
 
+(The study in the papers' regime, 100 classes and 256-d features, is
+`benchmarks.last_layer_regime`: `python -m benchmarks.last_layer utility`.)
+
 Utility, on real offline data (`load_fashion_mnist()`, the Debian files):
 the 60,000 training images are split once (permutation seed 0) into a
 **public** set of 10,000 and a **private** set of 50,000; the test set
@@ -46,8 +49,10 @@ two, median of repeats:
     python -m benchmarks last_layer             # everything (~15 min, 2 CPU cores)
     python -m benchmarks last_layer --quick     # smoke test (tiny sizes)
     python -m benchmarks.last_layer speed       # one part as JSON; also
-    python -m benchmarks.last_layer methods 1   # pretraining, initialization,
-                                                # methods [EPS], non-private, wide
+    python -m benchmarks.last_layer methods 1   # fashion-mnist, pretraining,
+                                                # initialization, methods [EPS],
+                                                # non-private, wide
+    python -m benchmarks.last_layer utility     # the papers' regime (~80 min)
 """
 
 import collections

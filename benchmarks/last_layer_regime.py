@@ -33,17 +33,20 @@ This study builds that regime from kdpemb's own data, without downloads:
   0.25, 0.5, 1, 2, 4, 8}, each run's noise calibrated for its whole
   planned run (PLD), and ε = ∞ (no noise; DP-SGD without clipping).
 - **ε = ∞ is each method's own optimum**: DP-LS is ridge regression with λ
-  tuned on the public task; DP-Newton, DP-FC and DP-SGD minimise the
-  ridge-regularised softmax loss with the l2 that scikit-learn's
-  `LogisticRegression` (no intercept) finds best on the public task, with
-  enough steps to converge: each row reports the gap to scikit-learn's
-  optimum on the same private data.
+  tuned on the public task; DP-Newton and DP-FC (damped steps, no bias)
+  minimise the ridge-regularised softmax loss with the l2 that
+  scikit-learn's `LogisticRegression` (no intercept) finds best on the
+  public task, long enough to land on it: the table shows scikit-learn's
+  optimum on the same private data beside them. DP-SGD (with a bias) is
+  its best noise-free run on the public task: 300 full-batch Adam steps,
+  with l2 = 0 or the logistic l2.
 
-Ablations, at N = 10,000 and ε ∈ {0.5, 2, 8}, 3 seeds (each configuration
-tuned on the public task as above):
+Ablations, at N = 10,000 and ε ∈ {0.5, 2, 8}, 3 seeds (run when N =
+10,000 is among the sizes):
 
-- `init`: DP-SGD from a zero head against a random one (N(0, 1/d)), for
-  the single full-batch step and for the tuned DP-SGD configuration;
+- `init`: DP-SGD from a random head (N(0, 1/d)) with the setting of the
+  single full-batch step and with the setting tuned for a zero head,
+  against the zero-head runs of the same settings;
 - `optimizers`: full-batch DP-SGD with SGD, Adam and LAMB, each with its
   own tuned learning rate and steps;
 - `steps`: one full-batch step against many small Poisson steps (batch
@@ -53,7 +56,7 @@ Records go to `OUTPUT/records.jsonl` as they are measured (a rerun skips
 the ones already there), then `OUTPUT/summary.json`, `OUTPUT/table.md` and
 one privacy-utility PNG per N (`kdpemb.plots`).
 
-    python -m benchmarks.last_layer utility                 # ~90 min, 2 CPU cores
+    python -m benchmarks.last_layer utility                 # ~80 min, 2 CPU cores
     python -m benchmarks.last_layer utility --quick         # smoke test
     python -m benchmarks.last_layer utility --sizes 1000 --output build/x
 """
@@ -73,6 +76,7 @@ METHODS = ("dp-sgd", "dp-ls", "dp-newton", "dp-fc")
 LABELS = {"dp-sgd": "DP-SGD", "dp-ls": "DP-LS", "dp-newton": "DP-Newton",
           "dp-fc": "DP-FC"}  # fmt: skip
 INF = math.inf
+STUDY_VERSION = 1  # Bump when a change to the code changes what a record measures.
 SINGLE_STEP = {"optimizer": ("SGD", 1.0), "steps": 1}  # From zero: the centroids.
 
 
@@ -116,12 +120,14 @@ class RegimeConfig:
     newton_variants: tuple = ((0.5, None), (0.5, 1e-2))
     fc_steps: tuple = (1, 3, 10, 30)
     # (learning rate, l2), as for DP-Newton: with many classes the full step
-    # oscillates once the head is trained (see docs/last_layer.md).
+    # oscillates once the head is trained (its fixed preconditioner is the
+    # curvature of the zero head, 1/K (1 - 1/K) Σ, far below a trained one's).
     fc_variants: tuple = ((1.0, None), (0.3, None), (0.3, 1e-2))
     # ε = ∞: the l2 grid of the logistic optimum, and the converged runs.
     logistic_l2: tuple = (1e-5, 1e-4, 1e-3, 1e-2)
     ls_l2_nonprivate: tuple = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
-    newton_steps_nonprivate: int = 30  # Damped: SGD(0.5).
+    newton_steps_nonprivate: int = 100  # Damped: SGD(0.5).
+    newton_steps_nonprivate_large: int = 30  # From 10,000 examples (3-10 s a step).
     fc_steps_nonprivate: int = 600  # Damped: SGD(0.3).
     sgd_grid_nonprivate: tuple = (
         (("Adam", 0.01), 300), (("Adam", 0.1), 300),
@@ -165,6 +171,7 @@ QUICK = RegimeConfig(
     logistic_l2=(1e-3, 1e-2),
     ls_l2_nonprivate=(1e-3, 1e-2),
     newton_steps_nonprivate=5,
+    newton_steps_nonprivate_large=5,
     fc_steps_nonprivate=10,
     sgd_grid_nonprivate=((("Adam", 0.1), 20),),
     ablation_n=100,
@@ -410,10 +417,12 @@ def _settings(cfg, method, n, epsilon, logistic_l2):
         if method == "dp-ls":
             return [{"steps": 1, "l2": l2} for l2 in cfg.ls_l2_nonprivate]
         if method == "dp-newton":
-            return [
-                {"optimizer": ("SGD", 0.5), "steps": cfg.newton_steps_nonprivate,
-                 "l2": logistic_l2}
-            ]  # fmt: skip
+            steps = (
+                cfg.newton_steps_nonprivate_large
+                if n >= 10_000
+                else cfg.newton_steps_nonprivate
+            )
+            return [{"optimizer": ("SGD", 0.5), "steps": steps, "l2": logistic_l2}]
         if method == "dp-fc":
             return [
                 {"optimizer": ("SGD", 0.3), "steps": cfg.fc_steps_nonprivate,
@@ -460,11 +469,37 @@ class Study:
         self.done = {}
         # (group, method, N, ε) -> the private runs of the chosen setting.
         self.chosen = {}
+        self._check_fingerprint()
         if self.records_path.exists():
             for line in self.records_path.read_text().splitlines():
                 record = json.loads(line)
                 self.done[record["key"]] = record
         self.data = RegimeData(config, log)
+
+    def _check_fingerprint(self):
+        """Records are keyed by their settings only: refuse another task's."""
+        cfg = self.config
+        data = {
+            f.name: getattr(cfg, f.name)
+            for f in dataclasses.fields(cfg)
+            if f.name.startswith("pretrain")
+            or f.name in ("image_size", "width", "groups", "embedding_dim",
+                          "data_seed", "num_classes", "test_per_class",
+                          "tuning_first_identity")
+        }  # fmt: skip
+        data["max_train_per_class"] = max(cfg.train_per_class)
+        data["study_version"] = STUDY_VERSION
+        data = json.loads(json.dumps(data))
+        path = self.output / "fingerprint.json"
+        if path.exists():
+            found = json.loads(path.read_text())
+            if found != data:
+                raise ValueError(
+                    f"{self.output} holds records of another study ({found}); "
+                    f"this one is {data}. Use another --output."
+                )
+        else:
+            path.write_text(json.dumps(data, indent=1))
 
     def record(self, kind, **fields):
         """Measures (or reuses) one record; `fields` name it."""
@@ -606,8 +641,6 @@ def _random(method, epsilon, setting):
 
 
 def _json_default(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     return str(value)
 
 
@@ -718,10 +751,11 @@ def markdown(summary):
             lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
         if n in summary["logistic_optima"]:
             l2, accuracy = summary["logistic_optima"][n]
+            cells = [f"{accuracy:.3f}" if math.isinf(e) else "" for e in epsilons]
             lines.append(
                 f"| scikit-learn logistic optimum (l2 = {l2:g}) | "
-                + " | ".join("" for _ in epsilons[:-1])
-                + f" | {accuracy:.3f} |"
+                + " | ".join(cells)
+                + " |"
             )
         lines += ["", "Chosen on the public task (T steps, λ the ridge):", ""]
         lines += [
@@ -755,7 +789,7 @@ def markdown(summary):
     return "\n".join(lines) + "\n"
 
 
-def plot(summary, output):
+def plot(summary, output, config):
     """One privacy-utility PNG per N; returns their paths."""
     from kdpemb import plots
 
@@ -777,8 +811,11 @@ def plot(summary, output):
             plots.plot_privacy_utility(
                 curves,
                 pathlib.Path(output) / f"last_layer_n{n}.png",
-                utility_name="test accuracy (100 classes)",
-                title=f"Last-layer DP, d = 256, K = 100, N = {n:,}",
+                utility_name=f"test accuracy ({config.num_classes} classes)",
+                title=(
+                    f"Last-layer DP, d = {config.embedding_dim}, "
+                    f"K = {config.num_classes}, N = {n:,}"
+                ),
             )
         )
     return paths
@@ -799,12 +836,12 @@ def main(argv=None):
     study = Study(config, output)
     sizes = None if args.sizes is None else [int(s) for s in args.sizes.split(",")]
     study.main_grid(sizes)
-    if not args.no_ablations:
+    if not args.no_ablations and (sizes is None or config.ablation_n in sizes):
         study.ablations()
     summary = summarize(study)
     (output / "summary.json").write_text(
         json.dumps(summary, indent=1, default=_json_default)
     )
     (output / "table.md").write_text(markdown(summary))
-    plot(summary, output)
+    plot(summary, output, config)
     return summary

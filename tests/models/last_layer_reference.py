@@ -221,8 +221,9 @@ class ClosedFormReleases:
     Wraps `last_layer_stats.make_psd` (its input: the noisy Gram matrix,
     the stack of noisy Hessians or the noisy covariance) and
     `last_layer_stats.solve_ridge` (its right-hand side: the noisy class
-    sums, or a noisy gradient column plus λ w_c; and λ), each with the
-    head's kernel at the time of the call.
+    sums, a noisy gradient column plus λ w_c, or DP-FC's whole noisy
+    gradient plus λW; and λ), each with the head's kernel at the time of
+    the call; `matrices` keeps the matrix of every solve.
     """
 
     def __init__(self, monkeypatch, model):
@@ -231,6 +232,7 @@ class ClosedFormReleases:
         self.model = model
         self.second_order = []  # (kernel, matrix)
         self.solves = []  # (kernel, right-hand side, ridge)
+        self.matrices = []  # The matrix of each solve, in order.
         make_psd, solve_ridge = last_layer_stats.make_psd, last_layer_stats.solve_ridge
 
         def recording_make_psd(matrix, *args, **kwargs):
@@ -241,6 +243,7 @@ class ClosedFormReleases:
             self.solves.append(
                 (self._kernel(), np.array(right_hand_side, np.float64), ridge)
             )
+            self.matrices.append(np.array(matrix, np.float64))
             return solve_ridge(matrix, right_hand_side, ridge)
 
         monkeypatch.setattr(last_layer_stats, "make_psd", recording_make_psd)

@@ -27,6 +27,7 @@ from kdpemb.models.last_layer import (
     LastLayerDPClassifier,
     dense_gradient_norms,
 )
+from kdpemb.models.last_layer_stats import make_psd
 from kdpemb.privacy import host_noise, protocol
 from tests.models import last_layer_reference as ref
 
@@ -591,6 +592,14 @@ def test_dp_newton_noise_on_the_gradient_and_every_hessian_block(monkeypatch):
         hessian_noise.append(ref.upper_triangle(noise))  # [K, d(d+1)/2]
         gradients.append(gradient_noise(clipped, labels, step))
     assert not gradient_steps[0][0].any() and gradient_steps[2][0].any()
+    # Each class's column is solved with its own released block, made PSD.
+    assert len(releases.matrices) == steps * k
+    for t, (_, hessians) in enumerate(releases.second_order):
+        np.testing.assert_allclose(
+            np.stack(releases.matrices[t * k : (t + 1) * k]),
+            make_psd(hessians),
+            atol=1e-9 * np.abs(hessians).max(),
+        )
     hessian_noise = np.stack(hessian_noise)
     ref.assert_normal(hessian_noise, stds["per-class Hessians"])
     ref.assert_normal(np.stack(gradients), stds["logistic gradient"])
@@ -625,6 +634,15 @@ def test_dp_fc_noise_on_the_one_covariance_and_every_gradient(monkeypatch):
     )
     gradient_steps = releases.gradient_steps(k)
     assert len(gradient_steps) == steps
+    # Every step solves with the released covariance times p(1 - p), p = 1/K.
+    assert len(releases.matrices) == steps
+    for matrix in releases.matrices:
+        np.testing.assert_allclose(
+            matrix,
+            ref.to_numpy(model.covariance) * (1 / k) * (1 - 1 / k),
+            rtol=1e-6,
+            atol=1e-9,
+        )
     gradients = [gradient_noise(clipped, labels, step) for step in gradient_steps]
     assert all(step[2] == pytest.approx(l2 * n) for step in gradient_steps)
     ref.assert_normal(np.stack(gradients), stds["logistic gradient"])
