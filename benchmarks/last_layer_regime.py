@@ -460,8 +460,9 @@ def _settings(cfg, method, n, epsilon, logistic_l2):
 class Study:
     """Runs and records; records already in `records.jsonl` are reused."""
 
-    def __init__(self, config, output, log=print):
+    def __init__(self, config, output, log=print, measure=True):
         self.config = config
+        self.measure = measure  # False: report the records there, run nothing.
         self.output = pathlib.Path(output)
         self.output.mkdir(parents=True, exist_ok=True)
         self.records_path = self.output / "records.jsonl"
@@ -506,6 +507,8 @@ class Study:
         key = _key({"kind": kind, **fields})
         if key in self.done:
             return self.done[key]
+        if not self.measure:
+            raise _Missing(key)
         start = time.perf_counter()
         if kind == "logistic":
             train = self.data.train(fields["task"], fields["n"])
@@ -546,7 +549,16 @@ class Study:
         return max(scores)[2]
 
     def tuned(self, method, n, epsilon, settings, kind="main"):
-        """Chooses the best setting on the public task; runs it privately."""
+        """Chooses the best setting on the public task; runs it privately.
+
+        With `measure=False` a cell without all its records is left out.
+        """
+        try:
+            return self._tuned(method, n, epsilon, settings, kind)
+        except _Missing:
+            return None, None, []
+
+    def _tuned(self, method, n, epsilon, settings, kind):
         cfg = self.config
         if len(settings) == 1:  # Nothing to choose.
             setting, tuning_accuracy = settings[0], None
@@ -587,10 +599,12 @@ class Study:
         cfg = self.config
         sizes = sizes or [self.n_of(p) for p in cfg.train_per_class]
         for n in sizes:
-            l2 = self.logistic_l2(n)
-            self.record(
-                "logistic", task="private", n=n, l2=l2
-            )  # The optimum each ε = ∞ row is measured against.
+            try:
+                l2 = self.logistic_l2(n)
+                # The optimum each ε = ∞ row is measured against.
+                self.record("logistic", task="private", n=n, l2=l2)
+            except _Missing:
+                continue
             for epsilon in sorted(cfg.epsilons, reverse=True):
                 for method in METHODS:
                     settings = _settings(cfg, method, n, epsilon, l2)
@@ -606,7 +620,7 @@ class Study:
                 "dp-sgd", n, epsilon, _settings(cfg, "dp-sgd", n, epsilon, None)
             )
             for name, base in (("single", SINGLE_STEP), ("tuned", tuned)):
-                if name == "tuned" and base == SINGLE_STEP:
+                if base is None or (name == "tuned" and base == SINGLE_STEP):
                     continue  # Measured just before.
                 self.tuned(
                     "dp-sgd", n, epsilon, [{**base, "head_init": "random"}],
@@ -629,6 +643,10 @@ class Study:
                 for e in cfg.small_epochs
             ]  # fmt: skip
             self.tuned("dp-sgd", n, epsilon, small, "steps:small")
+
+
+class _Missing(Exception):
+    """A record `--report` does not have (it measures nothing)."""
 
 
 def _random(method, epsilon, setting):
@@ -830,10 +848,14 @@ def main(argv=None):
     parser.add_argument("--output", default=None, help="results folder")
     parser.add_argument("--sizes", default=None, help="comma-separated N values")
     parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument(
+        "--report", action="store_true",
+        help="measure nothing: the table and curves of the records there",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     config = QUICK if args.quick else RegimeConfig()
     output = pathlib.Path(args.output or f"{config.cache}/results")
-    study = Study(config, output)
+    study = Study(config, output, measure=not args.report)
     sizes = None if args.sizes is None else [int(s) for s in args.sizes.split(",")]
     study.main_grid(sizes)
     if not args.no_ablations and (sizes is None or config.ablation_n in sizes):
