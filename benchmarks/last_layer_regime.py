@@ -127,7 +127,7 @@ class RegimeConfig:
     logistic_l2: tuple = (1e-5, 1e-4, 1e-3, 1e-2)
     ls_l2_nonprivate: tuple = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
     newton_steps_nonprivate: int = 100  # Damped: SGD(0.5).
-    newton_steps_nonprivate_large: int = 30  # From 10,000 examples (3-10 s a step).
+    newton_steps_nonprivate_large: int = 30  # From 10,000 examples: 3-10 s a step.
     fc_steps_nonprivate: int = 600  # Damped: SGD(0.3).
     sgd_grid_nonprivate: tuple = (
         (("Adam", 0.01), 300), (("Adam", 0.1), 300),
