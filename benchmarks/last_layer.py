@@ -52,7 +52,7 @@ two, median of repeats:
     python -m benchmarks.last_layer methods 1   # fashion-mnist, pretraining,
                                                 # initialization, methods [EPS],
                                                 # non-private, wide
-    python -m benchmarks.last_layer utility     # the papers' regime (~80 min)
+    python -m benchmarks.last_layer utility     # the papers' regime (~2 h)
 """
 
 import collections

@@ -56,7 +56,7 @@ Records go to `OUTPUT/records.jsonl` as they are measured (a rerun skips
 the ones already there), then `OUTPUT/summary.json`, `OUTPUT/table.md` and
 one privacy-utility PNG per N (`kdpemb.plots`).
 
-    python -m benchmarks.last_layer utility                 # ~80 min, 2 CPU cores
+    python -m benchmarks.last_layer utility                 # ~2 h, 2 CPU cores
     python -m benchmarks.last_layer utility --quick         # smoke test
     python -m benchmarks.last_layer utility --sizes 1000 --output build/x
 """
