@@ -510,18 +510,14 @@ class Study:
         if not self.measure:
             raise _Missing(key)
         start = time.perf_counter()
+        train = self.data.train(fields["task"], fields["n"])
+        evaluation = self.data.evaluation(fields["task"])
         if kind == "logistic":
-            train = self.data.train(fields["task"], fields["n"])
-            value = logistic_optimum(
-                train, self.data.evaluation(fields["task"]), fields["l2"]
-            )
-            facts = {}
+            value, facts = logistic_optimum(train, evaluation, fields["l2"]), {}
         else:
-            train = self.data.train(fields["task"], fields["n"])
             value, facts = fit_accuracy(
-                fields["method"], fields["setting"], train,
-                self.data.evaluation(fields["task"]), fields["epsilon"],
-                1.0 / fields["n"] ** 2, fields["seed"],
+                fields["method"], fields["setting"], train, evaluation,
+                fields["epsilon"], 1.0 / fields["n"] ** 2, fields["seed"],
             )  # fmt: skip
         record = {
             "key": key,
@@ -736,6 +732,24 @@ def _setting_name(row):
     return ", ".join(parts)
 
 
+def _accuracy_name(row):
+    if row["accuracy_std"]:
+        return f"{row['accuracy_mean']:.3f} ± {row['accuracy_std']:.3f}"
+    return f"{row['accuracy_mean']:.3f}"
+
+
+def _method_table(epsilons, cell, name):
+    """A markdown table: one row per method, one column per ε, `name(row)`."""
+    lines = [
+        "| method | " + " | ".join(f"ε = {_epsilon_name(e)}" for e in epsilons) + " |",
+        "|---|" + "---|" * len(epsilons),
+    ]
+    for method in METHODS:
+        cells = [name(cell[method, e]) if (method, e) in cell else "" for e in epsilons]
+        lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(summary):
     """The accuracy table, the chosen settings and the ablations, as markdown."""
     rows = summary["rows"]
@@ -745,28 +759,13 @@ def markdown(summary):
         these = [r for r in main if r["n"] == n]
         epsilons = sorted({r["epsilon"] for r in these})
         seeds = ", ".join(str(s) for s in max((r["seeds"] for r in these), key=len))
+        cell = {(r["method"], r["epsilon"]): r for r in these}
         lines += [
             f"**N = {n:,}** (δ = 1/N² = {1 / n**2:.0e}): test accuracy, mean ± std "
             f"over seeds {seeds} (one run at ε = ∞, where nothing is random)",
             "",
-            "| method | "
-            + " | ".join(f"ε = {_epsilon_name(e)}" for e in epsilons)
-            + " |",
-            "|---|" + "---|" * len(epsilons),
+            *_method_table(epsilons, cell, _accuracy_name),
         ]
-        for method in METHODS:
-            cells = []
-            for epsilon in epsilons:
-                match = [r for r in these if r["method"] == method
-                         and r["epsilon"] == epsilon]  # fmt: skip
-                cells.append(
-                    f"{match[0]['accuracy_mean']:.3f} ± {match[0]['accuracy_std']:.3f}"
-                    if match and match[0]["accuracy_std"]
-                    else f"{match[0]['accuracy_mean']:.3f}"
-                    if match
-                    else ""
-                )
-            lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
         if n in summary["logistic_optima"]:
             l2, accuracy = summary["logistic_optima"][n]
             cells = [f"{accuracy:.3f}" if math.isinf(e) else "" for e in epsilons]
@@ -776,19 +775,7 @@ def markdown(summary):
                 + " |"
             )
         lines += ["", "Chosen on the public task (T steps, λ the ridge):", ""]
-        lines += [
-            "| method | "
-            + " | ".join(f"ε = {_epsilon_name(e)}" for e in epsilons)
-            + " |",
-            "|---|" + "---|" * len(epsilons),
-        ]
-        for method in METHODS:
-            cells = []
-            for epsilon in epsilons:
-                match = [r for r in these if r["method"] == method
-                         and r["epsilon"] == epsilon]  # fmt: skip
-                cells.append(_setting_name(match[0]) if match else "")
-            lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
+        lines += _method_table(epsilons, cell, _setting_name)
         lines.append("")
     ablations = [r for r in rows if r["group"] != "main"]
     if ablations:
