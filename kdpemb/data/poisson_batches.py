@@ -32,6 +32,7 @@ import numpy as np
 from kdpemb.data.round_size import max_clients_per_round
 
 PADDINGS = ("bound", "multiple", "none")
+SAMPLINGS = ("poisson", "fixed")
 
 
 class PoissonIndices(keras.utils.PyDataset):
@@ -49,6 +50,11 @@ class PoissonIndices(keras.utils.PyDataset):
         steps: int. Batches per epoch.
         seed: int or None. None draws the sampling from OS entropy.
         padding: "bound" (default), "multiple" or "none"; see the module.
+        sampling: "poisson" (default) or "fixed": exactly `batch_size`
+            examples, drawn uniformly without replacement (its accounting
+            is replace-one, `Schedule.examples(..., sampling="fixed")`).
+        multiple_of: int. The padded size is also rounded up to a multiple
+            of it (e.g. a physical batch size that splits the batch).
 
     Example:
 
@@ -60,11 +66,24 @@ class PoissonIndices(keras.utils.PyDataset):
     True
     """
 
-    def __init__(self, num_examples, batch_size, steps, seed=None, padding="bound"):
+    def __init__(
+        self,
+        num_examples,
+        batch_size,
+        steps,
+        seed=None,
+        padding="bound",
+        *,
+        sampling="poisson",
+        multiple_of=1,
+    ):
         super().__init__()
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}.")
-        self.padding = padding
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}.")
+        self.padding, self.sampling = padding, sampling
+        self.multiple_of = int(multiple_of)
         self.num_examples = int(num_examples)
         self.batch_size = batch_size
         self.steps = int(steps)
@@ -99,6 +118,11 @@ class PoissonIndices(keras.utils.PyDataset):
             raise IndexError(index)
         if self.batch_size is None:
             chosen = np.arange(self.num_examples)
+        elif self.sampling == "fixed":
+            with self._lock:
+                chosen = np.sort(
+                    self._rng.choice(self.num_examples, self.batch_size, replace=False)
+                )
         else:
             chosen = np.sort(self._draw())
         size = self._padded_size(len(chosen))
@@ -109,7 +133,11 @@ class PoissonIndices(keras.utils.PyDataset):
         return indices, mask
 
     def _padded_size(self, size):
-        if self.padding == "none" or self.batch_size is None:
+        multiple, size = self.multiple_of, self._bucket(size)
+        return size if multiple == 1 else multiple * max(1, math.ceil(size / multiple))
+
+    def _bucket(self, size):
+        if self.padding == "none" or self.batch_size is None or self.sampling == "fixed":
             return size
         if self.padding == "multiple":
             return self.size_multiple * max(1, math.ceil(size / self.size_multiple))
@@ -139,7 +167,8 @@ class PoissonBatches(PoissonIndices):
     Args:
         features: array [N, ...].
         labels: int array [N].
-        batch_size, steps, seed, padding: as for `PoissonIndices`.
+        batch_size, steps, seed, padding, sampling, multiple_of: as for
+            `PoissonIndices`.
 
     Example:
 
@@ -150,8 +179,12 @@ class PoissonBatches(PoissonIndices):
     (True, 3)
     """
 
-    def __init__(self, features, labels, batch_size, steps, seed=None, padding="bound"):
-        super().__init__(len(features), batch_size, steps, seed=seed, padding=padding)
+    def __init__(
+        self, features, labels, batch_size, steps, seed=None, padding="bound", **kwargs
+    ):
+        super().__init__(
+            len(features), batch_size, steps, seed=seed, padding=padding, **kwargs
+        )
         self.features, self.labels = features, labels
 
     def __getitem__(self, index):

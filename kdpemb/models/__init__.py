@@ -8,6 +8,7 @@ from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import resnet_gn, small_cnn
 from kdpemb.models.centralized import CentralizedBaseline
 from kdpemb.models.clip_suggestions import suggest_clip_norm, suggest_feature_clip_norm
+from kdpemb.models.dp_model import DPModel
 from kdpemb.models.dp_sgd_head import dense_gradient_norms
 from kdpemb.models.fedemb import FedEmbModel
 from kdpemb.models.heads import CosineHead
@@ -18,6 +19,7 @@ __all__ = [
     "CentralizedBaseline",
     "ClipFeatures",
     "CosineHead",
+    "DPModel",
     "FedEmbModel",
     "LastLayerDPClassifier",
     "check_backbone",

@@ -178,8 +178,8 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
     >>> from kdpemb.data import VirtualClients
     >>> from kdpemb.datasets import synthetic_identities
     >>> from kdpemb.models import FedEmbModel
-    >>> public = VirtualClients(synthetic_identities(8, 4, image_size=8),
-    ...                         clients_per_round=2, users_per_client=2,
+    >>> public = VirtualClients(synthetic_identities(16, 4, image_size=8),
+    ...                         clients_per_round=2, users_per_client=4,
     ...                         num_clients=4, local_steps=2, batch_size=4,
     ...                         workers=1)
     >>> backbone = keras.Sequential([keras.Input((8, 8, 3)),
@@ -200,6 +200,8 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
             "0: their backbones did not move. With heads that start at zero "
             "the backbone gets no gradient in the first local step (nor in "
             "reconstruction steps): use local_steps >= reconstruction_steps + "
-            "2 in the rounds, or head_init='random'; or a higher quantile."
+            "2 in the rounds, or head_init='random'. A client whose examples "
+            "are all of one identity has a zero gradient too (softmax over one "
+            "class): use more users per client, or a higher quantile."
         )
     return suggestion

@@ -196,6 +196,59 @@ def clipped_sum_from_norms(norms, clip_norm, weighted_sum, mask=None):
     )
 
 
+def clipped_sum_from_group_norms(group_norms, clip_norms, weighted_sum, mask=None):
+    """The `ClippedSum` of contributions clipped group by group (per layer).
+
+    Each contribution is split into groups (e.g. one per layer); its part
+    in group j is scaled to norm at most `C_j`, so the whole contribution
+    has norm at most C = (Σ_j C_j²)^½, the `clip_norm` of the result. A
+    contribution with a non-finite norm in any group is left out whole.
+
+    Args:
+        group_norms: list of float tensors `[m]`, one per group.
+        clip_norms: list of floats > 0, one per group.
+        weighted_sum: callable `list of factors [m] (one per group) -> list
+            of tensors`; rows with factor 0 must add exactly 0.
+        mask: bool tensor `[m]` or None.
+
+    Example:
+
+    >>> import numpy as np
+    >>> clipped = clipped_sum_from_group_norms(
+    ...     [np.array([3.0]), np.array([0.5])], [1.0, 1.0],
+    ...     lambda f: [f[0] * 3.0, f[1] * 0.5])
+    >>> [round(float(np.asarray(t)[0]), 3) for t in clipped.total]
+    [1.0, 0.5]
+    >>> round(clipped.clip_norm, 4)
+    1.4142
+    """
+    if len(group_norms) != len(clip_norms) or not group_norms:
+        raise ValueError(
+            f"One clip norm per group: got {len(group_norms)} groups and "
+            f"{len(clip_norms)} clip norms."
+        )
+    clip_norms = [_checked_clip_norm(c) for c in clip_norms]
+    ops = keras.ops
+    norms = [ops.cast(ops.convert_to_tensor(n), "float32") for n in group_norms]
+    finite = norms[0] == norms[0]
+    within = ops.ones_like(finite)
+    for n, c in zip(norms, clip_norms, strict=True):
+        finite = ops.logical_and(finite, ops.isfinite(n))
+        within = ops.logical_and(within, n <= c)
+    keep = finite if mask is None else ops.logical_and(finite, _as_mask(mask))
+    factors = [clip_factors(n, c, keep)[0] for n, c in zip(norms, clip_norms, strict=True)]
+    rows = ops.shape(norms[0])[0]
+    included = ops.ones((rows,), "int32") if mask is None else _as_mask(mask)
+    included = ops.cast(included, "int32")
+    return ClippedSum(
+        total=list(weighted_sum(factors)),
+        clip_norm=float(np.sqrt(sum(float(c) ** 2 for c in clip_norms))),
+        count=ops.sum(included),
+        num_nonfinite=ops.sum(included * ops.cast(ops.logical_not(finite), "int32")),
+        num_within_clip=ops.sum(included * ops.cast(within, "int32")),
+    )
+
+
 def clip_and_sum(updates, clip_norm, mask=None):
     """Clips each contribution to `clip_norm` and sums them.
 

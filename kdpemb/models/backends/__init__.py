@@ -5,6 +5,10 @@ differ between backends live here, the way Keras splits its own trainers:
 
 - `value_and_grad(fn)`: `fn(params, *args) -> scalar` becomes
   `(params, *args) -> (value, grads)`, with `params` a list of tensors.
+- `output_gradients(run, params)`: the loss and its gradients with respect
+  to the outputs of tapped layers (`kdpemb.models.layer_taps`).
+- `per_example_map(fn, *tensors)`: `fn` over the rows of `tensors`,
+  vectorised (`vmap`, `vectorized_map`).
 - `replica_sum(x)`: the sum of `x` over the replicas of a
   `tf.distribute` strategy (identity where the program is already global,
   as a JAX `keras.distribution` program is).

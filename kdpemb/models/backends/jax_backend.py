@@ -9,6 +9,30 @@ def value_and_grad(fn):
     return jax.value_and_grad(fn)
 
 
+def output_gradients(run, params):
+    """`(loss, aux, grads)`: `run(params, probes) -> (loss, (outputs, aux))`
+    adds `probes[i]` (zeros) to its i-th tapped layer output; the gradient
+    of the loss with respect to each probe is that output's gradient.
+
+    The probes' shapes come from an abstract pass (`jax.eval_shape`),
+    which costs no computation.
+    """
+    _, (outputs, _) = jax.eval_shape(lambda p: run(p, None), params)
+    probes = [jax.numpy.zeros(o.shape, o.dtype) for o in outputs]
+
+    def loss_of(probes):
+        loss, (_, aux) = run(params, probes)
+        return loss, aux
+
+    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(probes)
+    return loss, aux, grads
+
+
+def per_example_map(fn, *tensors):
+    """`fn` applied to each row of `tensors` (their leading axis), vectorised."""
+    return jax.vmap(fn)(*tensors)
+
+
 def replica_sum(value):
     """Identity: a `keras.distribution` program is global (SPMD), so a sum
     over the client axis already spans every device."""

@@ -22,6 +22,27 @@ def value_and_grad(fn):
     return wrapped
 
 
+def output_gradients(run, params):
+    """`(loss, aux, grads)`: `run(params, None) -> (loss, (outputs, aux))`;
+    `grads[i]` is the gradient of the loss with respect to the i-th tapped
+    layer output, which a tape gives for intermediate tensors directly."""
+    params = list(params)
+    with tf.GradientTape() as tape:
+        tape.watch(params)
+        loss, (outputs, aux) = run(params, None)
+    grads = tape.gradient(loss, list(outputs))
+    grads = [
+        tf.zeros_like(o) if g is None else g for o, g in zip(outputs, grads, strict=True)
+    ]
+    return loss, aux, grads
+
+
+def per_example_map(fn, *tensors):
+    """`fn` applied to each row of `tensors` (their leading axis), vectorised
+    by `tf.vectorized_map` (a loop where an op has no vectorised form)."""
+    return tf.vectorized_map(lambda rows: fn(*rows), tensors)
+
+
 def _replica_context():
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:

@@ -1,0 +1,365 @@
+"""The clipped sum of per-example gradients of any Keras model.
+
+`clipped_gradient_sum` returns a `kdpemb.privacy.gaussian_sum.ClippedSum`
+of the model's per-example gradients (each clipped to C as one vector
+over all trainable variables, or layer by layer), computed one of two
+ways, chosen once by `plan_gradients`:
+
+- "layers" (ghost clipping): one forward pass taps every layer that owns
+  weights (`layer_taps`); one backward pass gives the gradient with
+  respect to each tapped output; each layer's per-example squared norms
+  come from its input and that gradient (`ghost_norms`, or a vectorised
+  per-example gradient of that layer alone); and the clipped sum is one
+  vector-Jacobian product per layer, weighted by the clip factors. No
+  per-example gradient of the model is ever formed.
+- "whole_model": each example's gradient of the whole model
+  (`vmap` / `tf.vectorized_map`), clipped and summed. Used when the model
+  cannot be split into layer calls: a layer with weights called more than
+  once (shared weights), or with more than one input tensor.
+
+Every layer must treat the examples of a batch independently (no
+BatchNormalization in training, which `check_backbone` refuses).
+
+Example:
+
+>>> import keras, numpy as np
+>>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+>>> plan = plan_gradients(model, np.ones((2, 3), "float32"))
+>>> plan.mode, plan.methods
+('layers', ('ghost',))
+"""
+
+import dataclasses
+import logging
+
+import keras
+import numpy as np
+from keras import ops
+
+from kdpemb.models import backends, ghost_norms, layer_taps
+from kdpemb.privacy import gaussian_sum
+
+MODES = ("auto", "ghost", "vectorized")
+logger = logging.getLogger("kdpemb")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientPlan:
+    """How per-example gradient norms are computed for one model.
+
+    Attributes:
+        mode: "layers" (per layer, from taps) or "whole_model".
+        owners: the layers with weights, in call order ("layers" mode).
+        methods: "ghost" or "vectorized" for each owner.
+        groups: for each trainable variable of the model, the index of the
+            layer that owns it (per-layer clipping groups).
+        reason: why "whole_model" was chosen, or "".
+    """
+
+    mode: str
+    owners: tuple
+    methods: tuple
+    groups: tuple
+    reason: str = ""
+
+    @property
+    def num_groups(self):
+        return max(self.groups) + 1 if self.groups else 0
+
+    def describe(self):
+        """One line: which layers use which method."""
+        if self.mode == "whole_model":
+            return (
+                "per-example gradients of the whole model, vectorised "
+                f"({self.reason})"
+            )
+        counts = {}
+        for layer, method in zip(self.owners, self.methods, strict=True):
+            key = (method, type(layer).__name__)
+            counts[key] = counts.get(key, 0) + 1
+        parts = []
+        for method in ("ghost", "vectorized"):
+            kinds = [f"{n}× {k}" for (m, k), n in counts.items() if m == method]
+            if kinds:
+                parts.append(f"{method}: {', '.join(kinds)}")
+        return "per-example gradient norms by layer; " + "; ".join(parts)
+
+
+def _variable_groups(model, owners):
+    owner_of = {}
+    for index, layer in enumerate(owners):
+        for variable in layer_taps.own_trainable_variables(layer):
+            owner_of[id(variable)] = index
+    return tuple(owner_of.get(id(v)) for v in model.trainable_variables)
+
+
+def plan_gradients(model, sample_inputs, mode="auto"):
+    """Decides, from one forward pass on `sample_inputs`, how to compute
+    per-example gradient norms of `model`; see the module docstring.
+
+    Args:
+        model: a built `keras.Model`.
+        sample_inputs: a small batch of inputs (two examples suffice).
+        mode: "auto" (default: by layer where the model allows it),
+            "ghost" (by layer, and refuse a layer without a ghost norm) or
+            "vectorized" (whole-model per-example gradients).
+
+    Returns:
+        `GradientPlan`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"gradient_method must be one of {MODES}, got {mode!r}.")
+    owners = layer_taps.weight_owners(model)
+    all_owners = owners
+    if mode == "vectorized":
+        return GradientPlan("whole_model", (), (), _variable_groups(model, owners),
+                            "gradient_method='vectorized'")  # fmt: skip
+    trainable = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+    with layer_taps.tap(owners) as calls:
+        model.stateless_call(trainable, fixed, sample_inputs, training=True)
+    called = [c.layer for c in calls]
+    reason = ""
+    repeated = sorted({c.layer.name for c in calls if called.count(c.layer) > 1})
+    if repeated:
+        reason = f"layers called more than once: {', '.join(repeated)}"
+    elif any(c.other_args for c in calls):
+        names = sorted({c.layer.name for c in calls if c.other_args})
+        reason = f"layers called with several tensors: {', '.join(names)}"
+    elif any(not ops.is_tensor(c.output) and not hasattr(c.output, "shape")
+             for c in calls):  # fmt: skip
+        reason = "a layer with weights returns several tensors"
+    if reason:
+        if mode == "ghost":
+            raise ValueError(
+                f"gradient_method='ghost' cannot split this model by layer "
+                f"({reason}); use gradient_method='auto' or 'vectorized'."
+            )
+        return GradientPlan(
+            "whole_model", (), (), _variable_groups(model, all_owners), reason
+        )
+    owners = tuple(called)
+    methods = tuple(ghost_norms.method_of(c) for c in calls)
+    if mode == "ghost" and "vectorized" in methods:
+        names = [c.layer.name for c, m in zip(calls, methods, strict=True)
+                 if m == "vectorized"]  # fmt: skip
+        raise ValueError(
+            f"gradient_method='ghost': no ghost norm for the layers {names}; "
+            "use gradient_method='auto' (a vectorised per-example gradient "
+            "of those layers alone)."
+        )
+    # Layers never called (no gradient) keep a group of their own.
+    unused = [layer for layer in all_owners if layer not in owners]
+    return GradientPlan(
+        "layers", owners, methods, _variable_groups(model, (*owners, *unused))
+    )
+
+
+def per_example_losses(loss_fn, y_true, y_pred):
+    """`loss_fn(y_true, y_pred)` unreduced, then averaged over all axes but
+    the first: one loss per example, `[B]` float32."""
+    losses = ops.cast(loss_fn(y_true, y_pred), "float32")
+    if len(losses.shape) == 0:
+        raise ValueError(
+            "The loss returned a scalar: DP-SGD needs one loss per example. "
+            "Compile with a Keras loss (a name, a keras.losses.Loss, or a "
+            "function returning per-example values)."
+        )
+    if len(losses.shape) > 1:
+        losses = ops.mean(ops.reshape(losses, (ops.shape(losses)[0], -1)), axis=1)
+    return losses
+
+
+def _is_seed_state(variable):
+    return variable.path.endswith("seed_generator_state")
+
+
+class ClippedGradients:
+    """Computes `ClippedSum`s of a model's per-example gradients.
+
+    Args:
+        model: the `keras.Model` to train.
+        plan: its `GradientPlan`.
+        loss_fn: `(y_true, y_pred) -> per-example losses`.
+        clip_norms: list of floats: one (flat clipping) or one per group of
+            the plan (per-layer clipping).
+    """
+
+    def __init__(self, model, plan, loss_fn, clip_norms):
+        self.model, self.plan, self.loss_fn = model, plan, loss_fn
+        self.clip_norms = list(clip_norms)
+        if len(self.clip_norms) not in (1, plan.num_groups):
+            raise ValueError(
+                f"Give one clip norm, or one per layer with weights "
+                f"({plan.num_groups}); got {len(self.clip_norms)}."
+            )
+        self.seed_states = [
+            i for i, v in enumerate(model.non_trainable_variables) if _is_seed_state(v)
+        ]
+
+    @property
+    def clip_norm(self):
+        """The bound C of one example's whole gradient: (Σ_j C_j²)^½."""
+        return float(np.sqrt(sum(c * c for c in self.clip_norms)))
+
+    def __call__(self, params, non_trainable, x, y, mask):
+        """`(ClippedSum, new non-trainable values)` for one batch.
+
+        Only the random-seed states of the new non-trainable values are
+        kept (dropout draws new masks); any other state a training call
+        would update from the batch is dropped.
+        """
+        backend = backends.current()
+        if self.plan.mode == "layers":
+            clipped, new_fixed = self._by_layer(backend, params, non_trainable, x, y, mask)
+        else:
+            clipped, new_fixed = self._whole_model(
+                backend, params, non_trainable, x, y, mask
+            )
+        kept = list(non_trainable)
+        for index in self.seed_states:
+            kept[index] = new_fixed[index]
+        return clipped, kept
+
+    # -- by layer --------------------------------------------------------
+
+    def per_example_norms(self, params, non_trainable, x, y):
+        """Each example's gradient norm over all trainable variables, `[B]`
+        (unclipped; for tests and diagnostics on public data)."""
+        backend = backends.current()
+        mask = ops.ones((ops.shape(x)[0],), "bool")
+        if self.plan.mode == "layers":
+            _, _, squared, _, _ = self._taps(backend, params, non_trainable, x, y, mask)
+            return ops.sqrt(sum(squared[1:], squared[0]))
+        grads = self._per_example_gradients(backend, params, non_trainable, x, y)
+        return gaussian_sum.global_norms(grads)
+
+    def _taps(self, backend, params, non_trainable, x, y, mask):
+        """One forward and backward pass: the tapped calls, the gradients of
+        their outputs, their per-example squared norms, `value_of` and the
+        new non-trainable values."""
+        model, owners = self.model, self.plan.owners
+        mask_f = ops.cast(mask, "float32")
+        records = {}
+
+        def run(values, probes):
+            with layer_taps.tap(owners, probes) as calls:
+                y_pred, new_fixed = model.stateless_call(
+                    values, non_trainable, x, training=True
+                )
+            losses = per_example_losses(self.loss_fn, y, y_pred)
+            records["calls"] = calls
+            outputs = [c.output for c in calls]
+            inputs = [c.inputs for c in calls]
+            return ops.sum(losses * mask_f), (outputs, (inputs, new_fixed))
+
+        _, (inputs, new_fixed), grads = backend.output_gradients(run, params)
+        calls = [
+            layer_taps.TappedCall(c.layer, a, None, False, c.kwargs)
+            for c, a in zip(records["calls"], inputs, strict=True)
+        ]
+        values = {id(v): p for v, p in zip(model.trainable_variables, params, strict=True)}
+        values.update(
+            {id(v): p for v, p in zip(model.non_trainable_variables, non_trainable,
+                                      strict=True)}  # fmt: skip
+        )
+
+        def value_of(variable):
+            return values.get(id(variable), variable.value)
+
+        squared = []
+        for call, g, method in zip(calls, grads, self.plan.methods, strict=True):
+            if method == "ghost":
+                squared.append(ghost_norms.ghost_squared_norms(call, g, value_of))
+            else:
+                squared.append(
+                    ghost_norms.vectorized_squared_norms(call, g, value_of, backend)
+                )
+        return calls, grads, squared, value_of, new_fixed
+
+    def _by_layer(self, backend, params, non_trainable, x, y, mask):
+        model = self.model
+        calls, grads, squared, value_of, new_fixed = self._taps(
+            backend, params, non_trainable, x, y, mask
+        )
+
+        def layer_sums(factors_of_call):
+            total = [None] * len(params)
+            position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+            for call, g, factors in zip(calls, grads, factors_of_call, strict=True):
+                shape = (-1,) + (1,) * (len(g.shape) - 1)
+                factors = ops.reshape(factors, shape)
+                cotangent = ops.where(factors > 0, ops.cast(g, "float32"), 0.0) * factors
+                own = layer_taps.own_trainable_variables(call.layer)
+                sums = ghost_norms.layer_gradient(call, cotangent, value_of, backend)
+                for variable, value in zip(own, sums, strict=True):
+                    total[position[id(variable)]] = ops.cast(value, "float32")
+            return [
+                ops.zeros(p.shape, "float32") if t is None else t
+                for p, t in zip(params, total, strict=True)
+            ]
+
+        if len(self.clip_norms) == 1:
+            norms = ops.sqrt(sum(squared[1:], squared[0]))
+            clipped = gaussian_sum.clipped_sum_from_norms(
+                norms, self.clip_norms[0],
+                lambda factors: layer_sums([factors] * len(calls)), mask,
+            )  # fmt: skip
+        else:  # Group i is the i-th call's layer; unused layers add nothing.
+            zeros = ops.zeros_like(squared[0])
+            group_norms = [ops.sqrt(sq) for sq in squared]
+            group_norms += [zeros] * (len(self.clip_norms) - len(calls))
+            clipped = gaussian_sum.clipped_sum_from_group_norms(
+                group_norms, self.clip_norms,
+                lambda factors: layer_sums(factors[: len(calls)]), mask,
+            )  # fmt: skip
+        return clipped, new_fixed
+
+    # -- whole model -----------------------------------------------------
+
+    def _per_example_gradients(self, backend, params, non_trainable, x, y):
+        model = self.model
+
+        def one(x_i, y_i):
+            def loss(values):
+                y_pred, _ = model.stateless_call(
+                    values, non_trainable, ops.expand_dims(x_i, 0), training=True
+                )
+                losses = per_example_losses(self.loss_fn, ops.expand_dims(y_i, 0), y_pred)
+                return ops.sum(losses)
+
+            _, grads = backend.value_and_grad(loss)(params)
+            return [ops.cast(g, "float32") for g in grads]
+
+        return backend.per_example_map(one, x, y)
+
+    def _whole_model(self, backend, params, non_trainable, x, y, mask):
+        model = self.model
+        grads = self._per_example_gradients(backend, params, non_trainable, x, y)
+        if len(self.clip_norms) == 1:
+            clipped = gaussian_sum.clip_and_sum(grads, self.clip_norms[0], mask)
+        else:
+            groups = self.plan.groups
+
+            def group_norm(index):
+                members = [g for g, k in zip(grads, groups, strict=True) if k == index]
+                if not members:
+                    return ops.zeros((ops.shape(grads[0])[0],), "float32")
+                return gaussian_sum.global_norms(members)
+
+            def weighted_sum(factors):
+                total = []
+                for g, k in zip(grads, groups, strict=True):
+                    f = ops.reshape(factors[k], (-1,) + (1,) * (len(g.shape) - 1))
+                    total.append(ops.sum(ops.where(f > 0, g, 0.0) * f, axis=0))
+                return total
+
+            clipped = gaussian_sum.clipped_sum_from_group_norms(
+                [group_norm(k) for k in range(len(self.clip_norms))],
+                self.clip_norms, weighted_sum, mask,
+            )  # fmt: skip
+        if not self.seed_states:
+            return clipped, non_trainable
+        # A plain forward pass advances the random-seed states (dropout).
+        _, new_fixed = model.stateless_call(params, non_trainable, x, training=True)
+        return clipped, new_fixed

@@ -1,0 +1,274 @@
+"""Per-example gradient norms of one layer, from its input and output gradient.
+
+For a layer whose output is linear in its weights, example i's weight
+gradient is a function of the layer's input `a_i` and of the gradient
+`g_i` of the loss with respect to the layer's output (before its
+activation). Its squared L2 norm follows without forming the gradient
+(ghost clipping):
+
+- Dense, Conv1D/2D (after unfolding the input into patches): with T
+  positions (tokens, pixels), `‖Σ_t a_t g_tᵀ‖²` is `Σ_{t,s} (a_t·a_s)(g_t·g_s)`
+  (cost T² per example) or the squared norm of the `[d_in, d_out]`
+  per-example gradient (cost T · d_in · d_out); the cheaper is used. The
+  bias adds `‖Σ_t g_t‖²`.
+- EinsumDense: the per-example kernel gradient, one `einsum`.
+- Embedding: `Σ_{t,s} [id_t = id_s] (g_t·g_s)` (repeated tokens add up).
+- LayerNormalization, GroupNormalization: `γ` and `β` scale and shift the
+  normalised input x̂ element-wise, so their per-example gradients are
+  `Σ x̂ ⊙ g` and `Σ g` over the positions they are shared by.
+
+Any other layer with weights goes through `vectorized_squared_norms`: the
+per-example gradient of that layer alone (`vmap` on JAX,
+`tf.vectorized_map` on TensorFlow). `method_of(call)` says which applies.
+
+Example:
+
+>>> import keras, numpy as np
+>>> layer = keras.layers.Dense(2)
+>>> layer.build((None, 3))
+>>> a = np.array([[1.0, 2.0, 2.0]], "float32")  # ‖a‖² = 9
+>>> g = np.array([[3.0, 4.0]], "float32")       # ‖g‖² = 25
+>>> call = layer_taps.TappedCall(layer, a, None, False, {})
+>>> float(ghost_squared_norms(call, g)[0])  # 9 · 25 + 25 (bias)
+250.0
+"""
+
+import string
+
+import keras
+from keras import ops
+
+from kdpemb.models import layer_taps
+
+_NORMALIZATIONS = (keras.layers.LayerNormalization, keras.layers.GroupNormalization)
+
+
+def method_of(call):
+    """"ghost" if `ghost_squared_norms` covers the layer of `call` (a
+    `layer_taps.TappedCall`), else "vectorized"."""
+    layer = call.layer
+    if getattr(layer, "quantization_mode", None) is not None or getattr(
+        layer, "lora_enabled", False
+    ):
+        return "vectorized"
+    kind = type(layer)
+    if kind in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding):
+        return "ghost"
+    if kind in (keras.layers.Conv1D, keras.layers.Conv2D):
+        return "ghost" if layer.groups == 1 else "vectorized"
+    if kind in _NORMALIZATIONS:
+        rank = len(call.inputs.shape)
+        return "ghost" if _trailing_axes(layer.axis, rank) else "vectorized"
+    return "vectorized"
+
+
+def _trailing_axes(axis, rank):
+    """Whether the normalisation axes are the last ones (where γ and β
+    broadcast without a reshape)."""
+    axes = sorted(a % rank for a in (axis if isinstance(axis, (list, tuple)) else [axis]))
+    return axes == list(range(rank - len(axes), rank))
+
+
+def _f32(x):
+    return ops.cast(x, "float32")
+
+
+def _positions(x):
+    """`[B, ..., d]` as `[B, T, d]`."""
+    shape = ops.shape(x)
+    return ops.reshape(x, (shape[0], -1, shape[-1]))
+
+
+def _static_positions(x):
+    count = 1
+    for size in x.shape[1:-1]:
+        if size is None:
+            return None
+        count *= int(size)
+    return count
+
+
+def outer_sum_squared_norms(a, g):
+    """`‖Σ_t a_t g_tᵀ‖²_F` per example, for `a` `[B, ..., p]`, `g` `[B, ..., q]`."""
+    positions = _static_positions(a)
+    a, g = _positions(_f32(a)), _positions(_f32(g))
+    p, q = a.shape[-1], g.shape[-1]
+    if positions is not None and positions * positions <= p * q:
+        gram_a = ops.einsum("btp,bsp->bts", a, a)
+        gram_g = ops.einsum("btq,bsq->bts", g, g)
+        return ops.sum(gram_a * gram_g, axis=(1, 2))
+    per_example = ops.einsum("btp,btq->bpq", a, g)
+    return ops.sum(ops.square(per_example), axis=(1, 2))
+
+
+def _position_sum_squared_norms(g):
+    """`‖Σ_t g_t‖²` per example, for `g` `[B, ..., q]`."""
+    return ops.sum(ops.square(ops.sum(_positions(_f32(g)), axis=1)), axis=-1)
+
+
+def _reduce_to(t, shape):
+    """Example i's gradient of a parameter of `shape` broadcast over `t[i]`
+    (aligned to the trailing axes), flattened: `[B, prod(shape)]`."""
+    rank = len(t.shape)
+    keep = len(shape)
+    axes = list(range(1, rank - keep))
+    axes += [rank - keep + k for k, size in enumerate(shape) if size == 1]
+    if axes:
+        t = ops.sum(t, axis=axes, keepdims=True)
+    return ops.reshape(t, (ops.shape(t)[0], -1))
+
+
+def _squared(t):
+    return ops.sum(ops.square(t), axis=-1)
+
+
+def _dense(layer, a, g):
+    norms = outer_sum_squared_norms(a, g)
+    if layer.use_bias:
+        norms = norms + _position_sum_squared_norms(g)
+    return norms
+
+
+def _einsum_dense(layer, a, g):
+    inputs, rest = layer.equation.split(",")
+    kernel, outputs = rest.split("->")
+    if "..." in inputs or "..." in outputs:
+        free = [c for c in string.ascii_letters if c not in layer.equation]
+        extra = len(a.shape) - (len(inputs) - 3)
+        fill = "".join(free[:extra])
+        inputs, outputs = inputs.replace("...", fill), outputs.replace("...", fill)
+    batch = inputs[0]
+    per_example = ops.einsum(
+        f"{inputs},{outputs}->{batch}{kernel}", _f32(a), _f32(g)
+    )
+    norms = ops.sum(
+        ops.square(ops.reshape(per_example, (ops.shape(per_example)[0], -1))), axis=1
+    )
+    if layer.bias is not None:
+        norms = norms + _squared(_reduce_to(_f32(g), tuple(layer.bias.shape)))
+    return norms
+
+
+def _conv(layer, a, g):
+    a, g = _f32(a), _f32(g)
+    if layer.data_format == "channels_first":
+        order = [0, *range(2, layer.rank + 2), 1]
+        a, g = ops.transpose(a, order), ops.transpose(g, order)
+    size, strides = tuple(layer.kernel_size), tuple(layer.strides)
+    dilation, padding = tuple(layer.dilation_rate), layer.padding
+    if layer.rank == 1:
+        if padding == "causal":
+            a = ops.pad(a, [[0, 0], [dilation[0] * (size[0] - 1), 0], [0, 0]])
+            padding = "valid"
+        a, g = ops.expand_dims(a, 1), ops.expand_dims(g, 1)
+        size, strides, dilation = (1, *size), (1, *strides), (1, *dilation)
+    patches = ops.image.extract_patches(
+        a, size, strides=strides, dilation_rate=dilation, padding=padding,
+        data_format="channels_last",
+    )  # fmt: skip
+    norms = outer_sum_squared_norms(patches, g)
+    if layer.use_bias:
+        norms = norms + _position_sum_squared_norms(g)
+    return norms
+
+
+def _embedding(layer, ids, g):
+    ids = ops.reshape(ops.cast(ids, "int32"), (ops.shape(ids)[0], -1))
+    g = _positions(_f32(g))
+    same = ops.cast(ops.expand_dims(ids, 2) == ops.expand_dims(ids, 1), "float32")
+    return ops.sum(same * ops.einsum("btd,bsd->bts", g, g), axis=(1, 2))
+
+
+def _normalization(layer, a, g, kwargs, value_of):
+    # x̂: the layer with γ = 1 and β = 0.
+    unit = [
+        ops.ones(v.shape, v.dtype) if v is layer.gamma else ops.zeros(v.shape, v.dtype)
+        for v in layer.trainable_variables
+    ]
+    fixed = [value_of(v) for v in layer.non_trainable_variables]
+    normalized, _ = layer.stateless_call(unit, fixed, a, **kwargs)
+    g = _f32(g)
+    norms = 0.0
+    if layer.gamma is not None and layer.gamma.trainable:
+        norms += _squared(_reduce_to(_f32(normalized) * g, tuple(layer.gamma.shape)))
+    if layer.beta is not None and layer.beta.trainable:
+        norms += _squared(_reduce_to(g, tuple(layer.beta.shape)))
+    return norms
+
+
+def ghost_squared_norms(call, g, value_of=None):
+    """Per-example squared gradient norms `[B]` of `call.layer`'s trainable
+    weights, for a layer `method_of` calls "ghost".
+
+    Args:
+        call: `layer_taps.TappedCall` of the layer's one call.
+        g: the gradient of the loss with respect to its output (before
+            its activation), `[B, ...]`.
+        value_of: `variable -> current value` (for the normalisations'
+            other variables); defaults to `variable.value`.
+    """
+    layer, a = call.layer, call.inputs
+    value_of = value_of or (lambda v: v.value)
+    kind = type(layer)
+    if kind is keras.layers.Dense:
+        return _dense(layer, a, g)
+    if kind is keras.layers.EinsumDense:
+        return _einsum_dense(layer, a, g)
+    if kind in (keras.layers.Conv1D, keras.layers.Conv2D):
+        return _conv(layer, a, g)
+    if kind is keras.layers.Embedding:
+        return _embedding(layer, a, g)
+    if kind in _NORMALIZATIONS:
+        return _normalization(layer, a, g, call.kwargs, value_of)
+    raise TypeError(f"No ghost norm for {kind.__name__}; use vectorized_squared_norms.")
+
+
+def replay(layer, own_values, inputs, kwargs, value_of):
+    """`layer`'s output (before its activation) on `inputs`, with its own
+    trainable variables set to `own_values` and every other variable to
+    `value_of(variable)`."""
+    own = layer_taps.own_trainable_variables(layer)
+    substitute = {id(v): value for v, value in zip(own, own_values, strict=True)}
+    trainable = [substitute.get(id(v), None) for v in layer.trainable_variables]
+    trainable = [
+        value_of(v) if value is None else value
+        for v, value in zip(layer.trainable_variables, trainable, strict=True)
+    ]
+    fixed = [value_of(v) for v in layer.non_trainable_variables]
+    with layer_taps.linear(layer):
+        output, _ = layer.stateless_call(trainable, fixed, inputs, **kwargs)
+    return output
+
+
+def layer_gradient(call, cotangent, value_of, backend):
+    """Σᵢ of the per-example gradients of `call.layer`'s own trainable
+    variables, each weighted by the rows of `cotangent` (`factorᵢ · gᵢ`):
+    one vector-Jacobian product of the layer alone."""
+    own = layer_taps.own_trainable_variables(call.layer)
+    own_values = [value_of(v) for v in own]
+
+    def weighted(values):
+        output = replay(call.layer, values, call.inputs, call.kwargs, value_of)
+        return ops.sum(_f32(output) * ops.stop_gradient(cotangent))
+
+    _, grads = backend.value_and_grad(weighted)(own_values)
+    return grads
+
+
+def vectorized_squared_norms(call, g, value_of, backend):
+    """Per-example squared gradient norms `[B]` of any layer's own trainable
+    weights: each example's gradient of that layer alone, vectorised."""
+    own = layer_taps.own_trainable_variables(call.layer)
+    own_values = [value_of(v) for v in own]
+
+    def one(inputs, grad):
+        def weighted(values):
+            output = replay(
+                call.layer, values, ops.expand_dims(inputs, 0), call.kwargs, value_of
+            )
+            return ops.sum(_f32(output) * ops.expand_dims(_f32(grad), 0))
+
+        _, grads = backend.value_and_grad(weighted)(own_values)
+        return sum(ops.sum(ops.square(_f32(gr))) for gr in grads)
+
+    return backend.per_example_map(one, call.inputs, g)

@@ -1,0 +1,221 @@
+"""Per-example gradient norms and clipped sums against brute force.
+
+The brute force takes each example's gradient by autodiff on that example
+alone, then clips and sums in NumPy. Every layer type with a ghost norm is
+checked, on both backends.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+from kdpemb.models import backends
+from kdpemb.models.clipped_gradients import (
+    ClippedGradients,
+    per_example_losses,
+    plan_gradients,
+)
+
+
+def squared_error(y_true, y_pred):
+    return keras.ops.mean(
+        keras.ops.square(keras.ops.reshape(y_pred, (keras.ops.shape(y_pred)[0], -1)) - y_true),
+        axis=-1,
+    )
+
+
+def brute_force_gradients(model, x, y, loss_fn=squared_error):
+    """Example i's gradient (a list over trainable variables), one at a time."""
+    backend = backends.current()
+    params = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+    rows = []
+    for i in range(len(x)):
+
+        def loss(values, i=i):
+            out, _ = model.stateless_call(values, fixed, x[i : i + 1], training=True)
+            return keras.ops.sum(per_example_losses(loss_fn, y[i : i + 1], out))
+
+        _, grads = backend.value_and_grad(loss)(params)
+        rows.append([keras.ops.convert_to_numpy(g).astype("float64") for g in grads])
+    return rows
+
+
+def flat_norm(grads):
+    return np.sqrt(sum(np.sum(g**2) for g in grads))
+
+
+def engine_for(model, x, mode="auto", loss_fn=squared_error, clip_norms=(1.0,)):
+    plan = plan_gradients(model, x[:2], mode)
+    return plan, ClippedGradients(model, plan, loss_fn, list(clip_norms))
+
+
+def state(model):
+    return (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+    )
+
+
+def targets(model, x, seed=1):
+    out = keras.ops.convert_to_numpy(model(x))
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(len(x), int(np.prod(out.shape[1:])))).astype("float32")
+
+
+def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
+    y = targets(model, x)
+    plan, engine = engine_for(model, x, mode)
+    if expect_methods is not None:
+        assert plan.methods == tuple(expect_methods), plan.describe()
+    params, fixed = state(model)
+    norms = keras.ops.convert_to_numpy(engine.per_example_norms(params, fixed, x, y))
+    brute = brute_force_gradients(model, x, y)
+    expected = np.array([flat_norm(g) for g in brute])
+    np.testing.assert_allclose(norms, expected, rtol=2e-4, atol=atol)
+    # A clip norm below every norm: the sum of normalised gradients.
+    clip = float(expected.min()) / 2
+    _, engine = engine_for(model, x, mode, clip_norms=(clip,))
+    mask = np.array([True] * (len(x) - 1) + [False])
+    clipped, _ = engine(params, fixed, x, y, mask)
+    for k in range(len(params)):
+        want = sum(clip * g[k] / n for g, n, m in zip(brute, expected, mask) if m)
+        got = keras.ops.convert_to_numpy(clipped.total[k])
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)
+    assert int(clipped.count) == len(x) - 1
+    return plan
+
+
+def sequential(input_shape, *stack):
+    return keras.Sequential([keras.Input(input_shape), *stack])
+
+
+RNG = np.random.default_rng(0)
+
+
+def images(shape, n=4):
+    return RNG.normal(size=(n, *shape)).astype("float32")
+
+
+def test_dense_on_vectors_and_on_tokens_both_ghost_branches():
+    # Tokens [B, 5, 4] into Dense(3): T² = 25 > 12 per-example matrices;
+    # [B, 2, 4] into Dense(8): T² = 4 <= 32, the Gram form.
+    model = sequential(
+        (5, 4), layers.Dense(3, activation="tanh"), layers.Reshape((3, 5)),
+        layers.Dense(2, use_bias=False), layers.Flatten(), layers.Dense(4),
+    )  # fmt: skip
+    check_norms_and_sum(model, images((5, 4)), ["ghost"] * 3)
+    gram = sequential((2, 4), layers.Dense(8, activation="relu"), layers.Flatten())
+    check_norms_and_sum(gram, images((2, 4)), ["ghost"])
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(filters=3, kernel_size=3, strides=2, padding="same"),
+        dict(filters=3, kernel_size=(3, 2), strides=(1, 2), padding="valid"),
+        dict(filters=2, kernel_size=3, dilation_rate=2, padding="same"),
+        dict(filters=2, kernel_size=2, dilation_rate=2, padding="valid", use_bias=False),
+    ],
+    ids=["stride2-same", "rect-valid", "dilated-same", "dilated-valid-nobias"],
+)
+def test_conv2d_with_strides_padding_and_dilation(conv):
+    model = sequential(
+        (7, 6, 2), layers.Conv2D(activation="relu", **conv), layers.Flatten()
+    )
+    check_norms_and_sum(model, images((7, 6, 2)), ["ghost"])
+
+
+@pytest.mark.parametrize("padding", ["same", "valid", "causal"])
+def test_conv1d_with_dilation_and_causal_padding(padding):
+    model = sequential(
+        (9, 3), layers.Conv1D(4, 3, dilation_rate=2, padding=padding),
+        layers.Conv1D(2, 2, strides=2, padding="valid"), layers.Flatten(),
+    )  # fmt: skip
+    check_norms_and_sum(model, images((9, 3)), ["ghost", "ghost"])
+
+
+def test_embedding_with_repeated_tokens():
+    model = sequential(
+        (6,), layers.Embedding(5, 3), layers.Dense(2), layers.Flatten()
+    )
+    # Repeated ids within an example add up in one row of the gradient.
+    ids = np.array(
+        [[1, 1, 1, 2, 0, 1], [4, 3, 2, 1, 0, 0], [2, 2, 2, 2, 2, 2], [0, 1, 2, 3, 4, 4]],
+        "int32",
+    )
+    check_norms_and_sum(model, ids, ["ghost", "ghost"])
+
+
+def test_layer_and_group_normalization_and_einsum_dense():
+    model = sequential(
+        (5, 4), layers.LayerNormalization(), layers.EinsumDense(
+            "abc,cd->abd", output_shape=(None, 6), bias_axes="d"),
+        layers.EinsumDense("...b,bc->...c", output_shape=3),
+        layers.Reshape((5, 3, 1)), layers.Conv2D(4, 1),
+        layers.GroupNormalization(groups=2), layers.Flatten(),
+    )  # fmt: skip
+    check_norms_and_sum(model, images((5, 4)), ["ghost"] * 5)
+
+
+class Scale(layers.Layer):
+    """A layer without a ghost norm: elementwise weights."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[1:], initializer="ones")
+
+    def call(self, x):
+        return keras.ops.sin(x * self.w)
+
+
+def test_a_layer_without_a_ghost_norm_uses_its_own_per_example_gradient():
+    model = sequential((3, 2), Scale(), layers.Dense(2), layers.Flatten())
+    plan = check_norms_and_sum(model, images((3, 2)), ["vectorized", "ghost"])
+    assert plan.mode == "layers"
+
+
+def test_shared_weights_fall_back_to_whole_model_gradients():
+    inputs = keras.Input((4,))
+    shared = layers.Dense(4, activation="tanh")
+    outputs = layers.Dense(2)(shared(shared(inputs)))
+    model = keras.Model(inputs, outputs)
+    plan = check_norms_and_sum(model, images((4,)))
+    assert plan.mode == "whole_model" and "more than once" in plan.reason
+    with pytest.raises(ValueError, match="cannot split this model"):
+        plan_gradients(model, images((4,))[:2], "ghost")
+
+
+def test_whole_model_path_equals_the_ghost_path():
+    model = sequential(
+        (6, 5, 2), layers.Conv2D(3, 3, strides=2, padding="same"),
+        layers.GroupNormalization(groups=3), layers.Flatten(), layers.Dense(3),
+    )  # fmt: skip
+    x = images((6, 5, 2), n=5)
+    y = targets(model, x)
+    params, fixed = state(model)
+    mask = np.array([1, 1, 0, 1, 1], bool)
+    results = []
+    for mode in ("ghost", "vectorized"):
+        _, engine = engine_for(model, x, mode, clip_norms=(0.05,))
+        clipped, _ = engine(params, fixed, x, y, mask)
+        results.append([keras.ops.convert_to_numpy(t) for t in clipped.total])
+    for ghost, whole in zip(*results, strict=True):
+        np.testing.assert_allclose(ghost, whole, rtol=2e-4, atol=1e-6)
+
+
+def test_per_layer_clipping_clips_each_layer_to_its_share():
+    model = sequential((4,), layers.Dense(3), layers.Dense(2))
+    x = images((4,))
+    y = targets(model, x)
+    params, fixed = state(model)
+    brute = brute_force_gradients(model, x, y)
+    c = 1e-3  # Below every layer's norm: each part becomes c · g / ‖g‖.
+    for mode in ("auto", "vectorized"):
+        _, engine = engine_for(model, x, mode, clip_norms=(c, c))
+        assert engine.clip_norm == pytest.approx(c * np.sqrt(2))
+        clipped, _ = engine(params, fixed, x, y, np.ones(4, bool))
+        for k, (first, last) in enumerate([(0, 2), (0, 2), (2, 4), (2, 4)]):
+            want = sum(c * g[k] / flat_norm(g[first:last]) for g in brute)
+            got = keras.ops.convert_to_numpy(clipped.total[k])
+            np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-7)
