@@ -6,6 +6,7 @@ from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
 )
 from kdpemb.models.backbone_checks import check_backbone
 from kdpemb.models.backbones import resnet_gn, small_cnn
+from kdpemb.models.batchnorm_replacement import replace_batchnorm
 from kdpemb.models.centralized import CentralizedBaseline
 from kdpemb.models.clip_suggestions import suggest_clip_norm, suggest_feature_clip_norm
 from kdpemb.models.dp_model import DPModel
@@ -25,6 +26,7 @@ __all__ = [
     "check_backbone",
     "dense_gradient_norms",
     "pretrain",
+    "replace_batchnorm",
     "resnet_gn",
     "small_cnn",
     "suggest_clip_norm",

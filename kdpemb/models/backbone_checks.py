@@ -71,6 +71,7 @@ def check_backbone(backbone):
             "released with the model. Replace them with "
             "keras.layers.GroupNormalization (e.g. groups=8 or 32), or, if "
             "their statistics come from public data, freeze them with "
-            "layer.trainable = False."
+            "layer.trainable = False. kdpemb.models.replace_batchnorm(model) "
+            "does the replacement for you (with mode='freeze', the freezing)."
         )
     return backbone
