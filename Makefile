@@ -28,8 +28,14 @@ lint: $(STAMP)
 test-tensorflow: $(STAMP)
 	KERAS_BACKEND=tensorflow $(PY) -m pytest $(PYTEST_ARGS)
 
+# JAX compiles on the CPU for most of its test time; the same programs
+# (the example scripts, models built alike in several tests) are compiled
+# once per run and then read from this cache.
+JAX_CACHE := build/jax-compilation-cache
+
 test-jax: $(STAMP)
-	KERAS_BACKEND=jax $(PY) -m pytest $(PYTEST_ARGS)
+	KERAS_BACKEND=jax JAX_COMPILATION_CACHE_DIR=$(CURDIR)/$(JAX_CACHE) \
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5 $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks all

@@ -90,6 +90,32 @@ def last_layer_case(method):
     )  # fmt: skip
 
 
+def dp_model_case(**settings):
+    import numpy as np
+
+    from kdpemb.models import DPModel
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+
+    def build():
+        network = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(5, "relu"), keras.layers.Dense(2)]
+        )
+        model = DPModel(network, clip_norm=1.0, **settings)
+        model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+        return model
+
+    def fit(model, epochs, callbacks):
+        return model.fit(
+            x, y, batch_size=20, epochs=epochs, callbacks=callbacks, verbose=0
+        )
+
+    name = "_".join(["dp_model", *settings][:2])
+    return ContractCase(name, build, fit, 3, "example", 1e-3)
+
+
 def _adaptive_clipping():
     from kdpemb.privacy import AdaptiveClipping
 
@@ -105,6 +131,10 @@ CASES = {
     ),
     "fedemb_adaptive_clipping": lambda: fedemb_case(
         adaptive_clipping=_adaptive_clipping(), noise_multiplier=1.0
+    ),
+    # The contract's fits take 2 + 1 epochs of 3 steps: plan 9 steps.
+    "dp_model_target_epsilon": lambda: dp_model_case(
+        target_epsilon=20.0, delta=1e-3, planned_steps=9, physical_batch_size=8
     ),
     **{
         f"last_layer_{method}": (lambda m=method: last_layer_case(m))

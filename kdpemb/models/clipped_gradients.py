@@ -99,7 +99,7 @@ def plan_gradients(model, sample_inputs, mode="auto"):
 
     Args:
         model: a built `keras.Model`.
-        sample_inputs: a small batch of inputs (two examples suffice).
+        sample_inputs: a small batch of inputs (three examples suffice).
         mode: "auto" (default: by layer where the model allows it),
             "ghost" (by layer, and refuse a layer without a ghost norm) or
             "vectorized" (whole-model per-example gradients).
@@ -119,16 +119,32 @@ def plan_gradients(model, sample_inputs, mode="auto"):
     with layer_taps.tap(owners) as calls:
         model.stateless_call(trainable, fixed, sample_inputs, training=True)
     called = [c.layer for c in calls]
+    rows = int(ops.shape(sample_inputs)[0])
     reason = ""
+    unbatched = sorted(
+        {
+            c.layer.name
+            for c in calls
+            if c.inputs is None
+            or not hasattr(c.inputs, "shape")
+            or len(c.inputs.shape) == 0
+            or c.inputs.shape[0] != rows
+            or not hasattr(c.output, "shape")
+            or len(c.output.shape) == 0
+            or c.output.shape[0] != rows
+        }
+    )
     repeated = sorted({c.layer.name for c in calls if called.count(c.layer) > 1})
     if repeated:
         reason = f"layers called more than once: {', '.join(repeated)}"
+    elif unbatched:
+        reason = (
+            "layers called on (or returning) a tensor without the batch "
+            f"axis: {', '.join(unbatched)}"
+        )
     elif any(c.other_args for c in calls):
         names = sorted({c.layer.name for c in calls if c.other_args})
         reason = f"layers called with several tensors: {', '.join(names)}"
-    elif any(not ops.is_tensor(c.output) and not hasattr(c.output, "shape")
-             for c in calls):  # fmt: skip
-        reason = "a layer with weights returns several tensors"
     if reason:
         if mode == "ghost":
             raise ValueError(

@@ -235,6 +235,12 @@ class DPModel(FrozenSettings, keras.Model):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
         self._engine = None
 
+    def compile_from_config(self, config):
+        """Restores the optimizer, loss and metrics when a saved model is loaded."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def fit(
         self,
         x=None,
@@ -268,9 +274,9 @@ class DPModel(FrozenSettings, keras.Model):
                 f"epochs={epochs})."
             )
         steps_per_epoch, schedule = self._schedule_for(num_examples, batch_size)
-        self._build_for(x[:2], y[:2])
+        self._build_for(x[:3], y[:3])
         if self.gradient_plan is None:
-            self._plan_gradients(x[:2], privacy_plan.is_verbose({"verbose": verbose}))
+            self._plan_gradients(x[:3], privacy_plan.is_verbose({"verbose": verbose}))
 
         def steps_of(start_epoch):
             return steps_per_epoch * max(0, epochs - (start_epoch or initial_epoch))

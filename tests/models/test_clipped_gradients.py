@@ -47,7 +47,7 @@ def flat_norm(grads):
 
 
 def engine_for(model, x, mode="auto", loss_fn=squared_error, clip_norms=(1.0,)):
-    plan = plan_gradients(model, x[:2], mode)
+    plan = plan_gradients(model, x[:3], mode)
     return plan, ClippedGradients(model, plan, loss_fn, list(clip_norms))
 
 
@@ -183,7 +183,7 @@ def test_shared_weights_fall_back_to_whole_model_gradients():
     plan = check_norms_and_sum(model, images((4,)))
     assert plan.mode == "whole_model" and "more than once" in plan.reason
     with pytest.raises(ValueError, match="cannot split this model"):
-        plan_gradients(model, images((4,))[:2], "ghost")
+        plan_gradients(model, images((4,))[:3], "ghost")
 
 
 def test_whole_model_path_equals_the_ghost_path():

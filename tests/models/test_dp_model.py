@@ -1,0 +1,206 @@
+"""DPModel: DP-SGD for any Keras model. Its DP claims, each by a test that can fail."""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+from kdpemb import privacy
+from kdpemb.errors import PrivacyBudgetExhaustedError, UnsupportedLayerError
+from kdpemb.models import DPModel
+from kdpemb.models.clipped_gradients import ClippedGradients, plan_gradients
+
+pytestmark = pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning")
+RNG = np.random.default_rng(0)
+
+
+def mlp(seed=0, regularizer=None):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            layers.Dense(4, activation="tanh", kernel_regularizer=regularizer),
+            layers.Dense(2),
+        ]
+    )
+
+
+def data(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype("float32")
+    y = rng.normal(size=(n, 2)).astype("float32")
+    return x, y
+
+
+def weights(model):
+    return [keras.ops.convert_to_numpy(w).copy() for w in model.trainable_weights]
+
+
+def dp(network, **settings):
+    settings.setdefault("noise_multiplier", 0.0)
+    model = DPModel(network, seed=0, **settings)
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    return model
+
+
+@pytest.mark.parametrize("physical_batch_size", [None, 4, 5])
+def test_no_noise_and_a_huge_clip_norm_is_the_non_private_step(physical_batch_size):
+    x, y = data()
+    regularizer = keras.regularizers.L2(0.1)  # Data-independent: no clip, no noise.
+    reference = mlp(regularizer=regularizer)
+    reference.compile(keras.optimizers.SGD(0.5), "mse")
+    model = dp(mlp(regularizer=regularizer), clip_norm=1e6,
+               physical_batch_size=physical_batch_size)  # fmt: skip
+    for got, want in zip(weights(model.network), weights(reference), strict=True):
+        np.testing.assert_array_equal(got, want)
+    model.fit(x, y, batch_size=None, epochs=2, verbose=0)  # Full batch.
+    reference.fit(x, y, batch_size=len(x), epochs=2, verbose=0, shuffle=False)
+    for got, want in zip(weights(model.network), weights(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert model.privacy_statement(delta=1e-3).steps == 2
+
+
+def per_example_gradients(network, x, y):
+    plan = plan_gradients(network, x[:3], "vectorized")
+    loss = keras.losses.get("mse")
+    engine = ClippedGradients(network, plan, loss, [1.0])
+    from kdpemb.models import backends
+
+    params = [v.value for v in network.trainable_variables]
+    fixed = [v.value for v in network.non_trainable_variables]
+    grads = engine._per_example_gradients(backends.current(), params, fixed, x, y)
+    return [keras.ops.convert_to_numpy(g).astype("float64") for g in grads]
+
+
+def test_a_clip_norm_below_every_gradient_steps_along_the_mean_normalised_gradient():
+    x, y = data()
+    network = mlp()
+    grads = per_example_gradients(network, x, y)
+    norms = np.sqrt(sum(np.sum(g.reshape(len(x), -1) ** 2, axis=1) for g in grads))
+    clip = norms.min() / 3
+    before = weights(network)
+    model = dp(network, clip_norm=clip)
+    model.fit(x, y, batch_size=None, epochs=1, verbose=0)
+    for k, (w0, w1) in enumerate(zip(before, weights(model.network), strict=True)):
+        mean = np.mean(clip * grads[k] / norms.reshape((-1,) + (1,) * (grads[k].ndim - 1)), axis=0)
+        np.testing.assert_allclose(w0 - w1, 0.5 * mean, rtol=1e-4, atol=1e-7)
+
+
+def linear_network():
+    network = keras.Sequential([keras.Input((2,)), layers.Dense(1, use_bias=False)])
+    network.set_weights([np.zeros((2, 1), "float32")])
+    return network
+
+
+def clipped_sum(network, x, y, mask, clip_norm):
+    plan = plan_gradients(network, x[:3])
+    engine = ClippedGradients(network, plan, keras.losses.get("mse"), [clip_norm])
+    params = [v.value for v in network.trainable_variables]
+    clipped, _ = engine(params, [], x, y, mask)
+    return np.concatenate([keras.ops.convert_to_numpy(t).ravel() for t in clipped.total])
+
+
+def test_one_example_moves_the_clipped_sum_by_at_most_c_or_2c_and_can_attain_it():
+    c = 0.1
+    network = linear_network()
+    x = RNG.normal(size=(6, 2)).astype("float32")
+    y = RNG.normal(size=(6, 1)).astype("float32") * 5
+    full = clipped_sum(network, x, y, np.ones(6, bool), c)
+    # Removing an example (the mask leaves it out): moves the sum by exactly C
+    # here (its gradient is above C, so clipped to norm C).
+    for i in range(6):
+        mask = np.ones(6, bool)
+        mask[i] = False
+        moved = np.linalg.norm(full - clipped_sum(network, x, y, mask, c))
+        assert moved <= c * (1 + 1e-5)
+        assert moved == pytest.approx(c, rel=1e-4)
+    # Replacing one: at most 2C, attained by the example whose residual has
+    # the opposite sign (a gradient pointing the other way).
+    x_swap, y_swap = x.copy(), y.copy()
+    y_swap[0] = -y[0]
+    moved = np.linalg.norm(full - clipped_sum(network, x_swap, y_swap, np.ones(6, bool), c))
+    assert moved <= 2 * c * (1 + 1e-5)
+    assert moved == pytest.approx(2 * c, rel=1e-4)
+
+
+class StepWeights(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(np.concatenate([w.ravel() for w in weights(self.model)]))
+
+
+def test_noise_std_is_z_c_over_the_batch_and_fresh_every_step():
+    # Zero weights and zero targets: every gradient is 0, so each step
+    # moves the weights by lr · N(0, (zC)²) / B exactly.
+    z, c, n = 1.5, 0.2, 16
+    network = keras.Sequential(
+        [keras.Input((8,)), layers.Dense(64, kernel_initializer="zeros")]
+    )
+    x = RNG.normal(size=(n, 8)).astype("float32")
+    model = DPModel(network, clip_norm=c, noise_multiplier=z, seed=3)
+    model.compile(keras.optimizers.SGD(1.0), "mse")
+    steps = StepWeights()
+    model.fit(x, np.zeros((n, 64), "float32"), batch_size=None, epochs=6,
+              callbacks=[steps], verbose=0)  # fmt: skip
+    moves = np.diff(np.array([np.zeros_like(steps.seen[0]), *steps.seen]), axis=0)
+    std = moves.std() * n  # 6 × 576 draws.
+    assert std == pytest.approx(z * c, rel=0.06)  # Rejects 2zC and zC/2.
+    correlations = np.corrcoef(moves)[np.triu_indices(len(moves), 1)]
+    assert np.max(np.abs(correlations)) < 0.2  # Independent steps.
+
+
+def test_the_budget_contract_with_a_target_epsilon():
+    x, y = data(n=64)
+    model = DPModel(mlp(), clip_norm=1.0, target_epsilon=2.0, delta=1e-3)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    statement = model.privacy_statement()
+    assert statement.steps == 8 == model.planned_steps
+    assert 0.99 * 2.0 <= statement.epsilon <= 2.0
+    expected = privacy.epsilon(
+        privacy.dp_sgd(model.noise_multiplier, batch_size=16, num_examples=64), 8, 1e-3
+    )
+    assert statement.epsilon == pytest.approx(expected, rel=1e-6)
+    before = weights(model.network)
+    with pytest.raises(PrivacyBudgetExhaustedError):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    np.testing.assert_array_equal(weights(model.network)[0], before[0])
+    with pytest.raises(ValueError, match="trained with"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_fixed_size_sampling_is_accounted_as_replace_one():
+    x, y = data(n=40)
+    model = dp(mlp(), noise_multiplier=1.0, sampling="fixed")
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    mechanism = model.privacy_mechanism()
+    assert mechanism.relation_name == "replace_one"
+    statement = model.privacy_statement(delta=1e-3)
+    assert statement.accountant.startswith("rdp") or "RDP" in str(statement)
+
+
+def test_bad_input_is_refused_before_training():
+    bn = keras.Sequential([keras.Input((3,)), layers.BatchNormalization(), layers.Dense(2)])
+    with pytest.raises(UnsupportedLayerError, match="replace_batchnorm"):
+        DPModel(bn, noise_multiplier=1.0)
+    model = DPModel(mlp(), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="needs a loss"):
+        model.compile("sgd")
+    with pytest.raises(ValueError, match="one loss"):
+        model.compile("sgd", loss=["mse", "mse"])
+    model.compile("sgd", "mse")
+    x, y = data()
+    with pytest.raises(ValueError, match="exceeds"):
+        model.fit(x, y, batch_size=100)
+    with pytest.raises(ValueError, match="cannot be sampled"):
+        model.fit((x,), y, batch_size=4)
+    with pytest.raises(ValueError, match="does not take shuffle"):
+        model.fit(x, y, batch_size=4, shuffle=True)
+    with pytest.raises(ValueError, match="sampling"):
+        DPModel(mlp(), noise_multiplier=1.0, sampling="shuffle")
+    with pytest.raises(ValueError, match="exactly one"):
+        DPModel(mlp(), noise_multiplier=1.0, target_epsilon=1.0, delta=1e-5)
+    assert int(keras.ops.convert_to_numpy(model.private_steps)) == 0
