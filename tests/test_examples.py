@@ -153,3 +153,14 @@ def test_last_layer_dp_example_prints_accuracy_per_method_and_epsilon(tmp_path):
     classifier = keras.saving.load_model(output)
     assert classifier.input_shape == (None, 28, 28, 1)
     assert classifier.output_shape == (None, 10)
+
+
+def test_dp_sgd_finetune_example_compares_full_and_last_layer_at_one_epsilon():
+    out = run_example("dp_sgd_finetune.py", "--quick", "--epsilon", "3")
+    rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
+    methods = [" ".join(row[1:-3]) for row in rows]
+    assert methods == ["last layer", "full fine-tuning"]
+    for row in rows:
+        accuracy, epsilon = float(row[-3]), float(row[-2])
+        assert 0.0 <= accuracy <= 1.0
+        assert 0.99 * 3 <= epsilon <= 3  # Each calibrated to the target.

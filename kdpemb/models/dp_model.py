@@ -138,6 +138,7 @@ class DPModel(FrozenSettings, keras.Model):
                 f"network must be a keras.Model, got {type(network).__name__}."
             )
         self.network = backbone_checks.check_backbone(network)
+        _check_no_activity_regularizer(network)
         self.clip_norm = validation.check_clip_norm(clip_norm)
         (
             self.noise_multiplier,
@@ -495,6 +496,24 @@ class DPModel(FrozenSettings, keras.Model):
         config = dict(config)
         config["network"] = keras.saving.deserialize_keras_object(config["network"])
         return cls(**config)
+
+
+def _check_no_activity_regularizer(network):
+    """Activity regularizers add a loss computed from each batch's
+    activations outside the per-example loss; refused, not ignored."""
+    from kdpemb.models.layer_taps import all_layers
+
+    names = [
+        layer.name
+        for layer in all_layers(network)
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    if names:
+        raise ValueError(
+            f"Layers {names} have an activity_regularizer: DPModel clips each "
+            "example's gradient of the compiled loss only, and would leave that "
+            "term out. Remove it, or add it to the loss per example."
+        )
 
 
 def _check_single_device():

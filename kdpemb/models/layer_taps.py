@@ -68,17 +68,20 @@ def _sublayers(layer):
         yield from _sublayers(child)
 
 
+def all_layers(model):
+    """`model` and every layer inside it, depth first, each once."""
+    layers, seen = [], set()
+    for layer in [model, *_sublayers(model)]:
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            layers.append(layer)
+    return layers
+
+
 def weight_owners(model):
     """Layers of `model` (itself included) owning trainable variables, depth
     first, each once."""
-    owners, seen = [], set()
-    for layer in [model, *_sublayers(model)]:
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        if own_trainable_variables(layer):
-            owners.append(layer)
-    return owners
+    return [layer for layer in all_layers(model) if own_trainable_variables(layer)]
 
 
 @contextlib.contextmanager

@@ -186,6 +186,11 @@ def test_bad_input_is_refused_before_training():
     bn = keras.Sequential([keras.Input((3,)), layers.BatchNormalization(), layers.Dense(2)])
     with pytest.raises(UnsupportedLayerError, match="replace_batchnorm"):
         DPModel(bn, noise_multiplier=1.0)
+    regularized = keras.Sequential(
+        [keras.Input((3,)), layers.Dense(2, activity_regularizer="l2")]
+    )
+    with pytest.raises(ValueError, match="activity_regularizer"):
+        DPModel(regularized, noise_multiplier=1.0)
     model = DPModel(mlp(), noise_multiplier=1.0)
     with pytest.raises(ValueError, match="needs a loss"):
         model.compile("sgd")
