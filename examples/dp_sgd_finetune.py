@@ -92,7 +92,9 @@ def last_layer(backbone, train, test, size, args, delta):
     head.compile(keras.optimizers.Adam(size["head_lr"]))
     head.fit(features, train[1], batch_size=size["batch_size"],
              epochs=size["epochs"], verbose=0)  # fmt: skip
-    accuracy = float(np.mean(head.predict(test_features, verbose=0).argmax(1) == test[1]))
+    accuracy = float(
+        np.mean(head.predict(test_features, verbose=0).argmax(1) == test[1])
+    )
     return accuracy, head.privacy_statement().epsilon
 
 

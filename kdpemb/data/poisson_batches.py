@@ -137,7 +137,11 @@ class PoissonIndices(keras.utils.PyDataset):
         return size if multiple == 1 else multiple * max(1, math.ceil(size / multiple))
 
     def _bucket(self, size):
-        if self.padding == "none" or self.batch_size is None or self.sampling == "fixed":
+        if (
+            self.padding == "none"
+            or self.batch_size is None
+            or self.sampling == "fixed"
+        ):
             return size
         if self.padding == "multiple":
             return self.size_multiple * max(1, math.ceil(size / self.size_multiple))

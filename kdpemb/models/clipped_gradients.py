@@ -32,7 +32,6 @@ Example:
 import dataclasses
 import logging
 
-import keras
 import numpy as np
 from keras import ops
 
@@ -70,8 +69,7 @@ class GradientPlan:
         """One line: which layers use which method."""
         if self.mode == "whole_model":
             return (
-                "per-example gradients of the whole model, vectorised "
-                f"({self.reason})"
+                f"per-example gradients of the whole model, vectorised ({self.reason})"
             )
         counts = {}
         for layer, method in zip(self.owners, self.methods, strict=True):
@@ -227,7 +225,9 @@ class ClippedGradients:
         """
         backend = backends.current()
         if self.plan.mode == "layers":
-            clipped, new_fixed = self._by_layer(backend, params, non_trainable, x, y, mask)
+            clipped, new_fixed = self._by_layer(
+                backend, params, non_trainable, x, y, mask
+            )
         else:
             clipped, new_fixed = self._whole_model(
                 backend, params, non_trainable, x, y, mask
@@ -274,10 +274,16 @@ class ClippedGradients:
             layer_taps.TappedCall(c.layer, a, None, False, c.kwargs)
             for c, a in zip(records["calls"], inputs, strict=True)
         ]
-        values = {id(v): p for v, p in zip(model.trainable_variables, params, strict=True)}
+        values = {
+            id(v): p for v, p in zip(model.trainable_variables, params, strict=True)
+        }
         values.update(
-            {id(v): p for v, p in zip(model.non_trainable_variables, non_trainable,
-                                      strict=True)}  # fmt: skip
+            {
+                id(v): p
+                for v, p in zip(
+                    model.non_trainable_variables, non_trainable, strict=True
+                )
+            }
         )
 
         def value_of(variable):
@@ -305,7 +311,9 @@ class ClippedGradients:
             for call, g, factors in zip(calls, grads, factors_of_call, strict=True):
                 shape = (-1,) + (1,) * (len(g.shape) - 1)
                 factors = ops.reshape(factors, shape)
-                cotangent = ops.where(factors > 0, ops.cast(g, "float32"), 0.0) * factors
+                cotangent = (
+                    ops.where(factors > 0, ops.cast(g, "float32"), 0.0) * factors
+                )
                 own = layer_taps.own_trainable_variables(call.layer)
                 sums = ghost_norms.layer_gradient(call, cotangent, value_of, backend)
                 for variable, value in zip(own, sums, strict=True):
@@ -341,7 +349,9 @@ class ClippedGradients:
                 y_pred, _ = model.stateless_call(
                     values, non_trainable, ops.expand_dims(x_i, 0), training=True
                 )
-                losses = per_example_losses(self.loss_fn, ops.expand_dims(y_i, 0), y_pred)
+                losses = per_example_losses(
+                    self.loss_fn, ops.expand_dims(y_i, 0), y_pred
+                )
                 return ops.sum(losses)
 
             _, grads = backend.value_and_grad(loss)(params)

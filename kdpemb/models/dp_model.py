@@ -170,9 +170,13 @@ class DPModel(FrozenSettings, keras.Model):
             )
         self.gradient_method = gradient_method
         self.seed = seed
-        self.schedule = None if schedule is None else privacy.Schedule.from_config(schedule)
+        self.schedule = (
+            None if schedule is None else privacy.Schedule.from_config(schedule)
+        )
         if self.schedule is not None and self.schedule.unit != "example":
-            raise ValueError(f"DPModel protects examples; got the schedule {self.schedule}.")
+            raise ValueError(
+                f"DPModel protects examples; got the schedule {self.schedule}."
+            )
         self.private_steps = private_state.add_private_steps(self)
         (self.noise_seed,) = private_state.noise_seed_generators(
             seed, ("noise_seed",), "DPModel"
@@ -220,7 +224,9 @@ class DPModel(FrozenSettings, keras.Model):
         a `keras.losses.Loss` or a function of `(y_true, y_pred)` returning
         per-example values). `metrics` are for `evaluate`."""
         if loss is None:
-            raise ValueError("DPModel.compile needs a loss (e.g. 'sparse_categorical_crossentropy').")
+            raise ValueError(
+                "DPModel.compile needs a loss (e.g. 'sparse_categorical_crossentropy')."
+            )
         if isinstance(loss, (list, tuple, dict)) or kwargs.get("loss_weights"):
             raise ValueError(
                 "DPModel trains with one loss on one output; got "
@@ -230,7 +236,9 @@ class DPModel(FrozenSettings, keras.Model):
         if loss_object is None:
             raise ValueError(f"Unknown loss {loss!r}.")
         self._per_example_loss = (
-            loss_object.call if isinstance(loss_object, keras.losses.Loss) else loss_object
+            loss_object.call
+            if isinstance(loss_object, keras.losses.Loss)
+            else loss_object
         )
         kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
@@ -287,12 +295,18 @@ class DPModel(FrozenSettings, keras.Model):
                 {"verbose": verbose, "callbacks": callbacks})
         )  # fmt: skip
         guard = privacy_plan.PlanGuard(
-            steps_of, "steps", on_restored_steps=self._forget_plan if calibrated else None
+            steps_of,
+            "steps",
+            on_restored_steps=self._forget_plan if calibrated else None,
         )
         callbacks = privacy_plan.with_guard(callbacks, guard, self)
         private_state.reseed([self.noise_seed], self.seed)
         self._denominator = float(schedule.sample_size)
-        seed = None if self.seed is None else [self.seed, protocol.read_private_steps(self)]
+        seed = (
+            None
+            if self.seed is None
+            else [self.seed, protocol.read_private_steps(self)]
+        )
         from kdpemb.data.poisson_batches import PoissonBatches
 
         physical = self.physical_batch_size or 1
@@ -402,7 +416,9 @@ class DPModel(FrozenSettings, keras.Model):
             plan = self.gradient_plan
             clip_norms = [self.clip_norm]
             if self.per_layer_clipping:
-                clip_norms = [self.clip_norm / np.sqrt(plan.num_groups)] * plan.num_groups
+                clip_norms = [
+                    self.clip_norm / np.sqrt(plan.num_groups)
+                ] * plan.num_groups
             self._engine = ClippedGradients(
                 self.network, plan, self._per_example_loss, clip_norms
             )
@@ -469,7 +485,9 @@ class DPModel(FrozenSettings, keras.Model):
                 list(fixed))  # fmt: skip
         totals, count, nonfinite, within, fixed = ops.fori_loop(0, chunks, body, init)
         clip_norm = engine.clip_norm
-        return gaussian_sum.ClippedSum(totals, clip_norm, count, nonfinite, within), fixed
+        return gaussian_sum.ClippedSum(
+            totals, clip_norm, count, nonfinite, within
+        ), fixed
 
     # ---------------------------------------------------------- saving --
 
@@ -528,7 +546,9 @@ def _check_single_device():
                 "outside the tf.distribute strategy scope."
             )
     if keras.distribution.distribution() is not None:
-        raise ValueError("DPModel trains on one device for now; unset keras.distribution.")
+        raise ValueError(
+            "DPModel trains on one device for now; unset keras.distribution."
+        )
 
 
 def _check_data(x, y):
@@ -572,5 +592,3 @@ def _add_weight_penalties(network, params, grads):
     for i, g in zip(indices, extra, strict=True):
         grads[i] = grads[i] + ops.cast(g, grads[i].dtype)
     return grads
-
-

@@ -44,7 +44,7 @@ _NORMALIZATIONS = (keras.layers.LayerNormalization, keras.layers.GroupNormalizat
 
 
 def method_of(call):
-    """"ghost" if `ghost_squared_norms` covers the layer of `call` (a
+    """ "ghost" if `ghost_squared_norms` covers the layer of `call` (a
     `layer_taps.TappedCall`), else "vectorized"."""
     layer = call.layer
     if getattr(layer, "quantization_mode", None) is not None or getattr(
@@ -65,7 +65,9 @@ def method_of(call):
 def _trailing_axes(axis, rank):
     """Whether the normalisation axes are the last ones (where γ and β
     broadcast without a reshape)."""
-    axes = sorted(a % rank for a in (axis if isinstance(axis, (list, tuple)) else [axis]))
+    axes = sorted(
+        a % rank for a in (axis if isinstance(axis, (list, tuple)) else [axis])
+    )
     return axes == list(range(rank - len(axes), rank))
 
 
@@ -138,9 +140,7 @@ def _einsum_dense(layer, a, g):
         fill = "".join(free[:extra])
         inputs, outputs = inputs.replace("...", fill), outputs.replace("...", fill)
     batch = inputs[0]
-    per_example = ops.einsum(
-        f"{inputs},{outputs}->{batch}{kernel}", _f32(a), _f32(g)
-    )
+    per_example = ops.einsum(f"{inputs},{outputs}->{batch}{kernel}", _f32(a), _f32(g))
     norms = ops.sum(
         ops.square(ops.reshape(per_example, (ops.shape(per_example)[0], -1))), axis=1
     )
@@ -229,7 +229,7 @@ def replay(layer, own_values, inputs, kwargs, value_of):
     `value_of(variable)`."""
     own = layer_taps.own_trainable_variables(layer)
     substitute = {id(v): value for v, value in zip(own, own_values, strict=True)}
-    trainable = [substitute.get(id(v), None) for v in layer.trainable_variables]
+    trainable = [substitute.get(id(v)) for v in layer.trainable_variables]
     trainable = [
         value_of(v) if value is None else value
         for v, value in zip(layer.trainable_variables, trainable, strict=True)

@@ -236,7 +236,9 @@ def clipped_sum_from_group_norms(group_norms, clip_norms, weighted_sum, mask=Non
         finite = ops.logical_and(finite, ops.isfinite(n))
         within = ops.logical_and(within, n <= c)
     keep = finite if mask is None else ops.logical_and(finite, _as_mask(mask))
-    factors = [clip_factors(n, c, keep)[0] for n, c in zip(norms, clip_norms, strict=True)]
+    factors = [
+        clip_factors(n, c, keep)[0] for n, c in zip(norms, clip_norms, strict=True)
+    ]
     rows = ops.shape(norms[0])[0]
     included = ops.ones((rows,), "int32") if mask is None else _as_mask(mask)
     included = ops.cast(included, "int32")

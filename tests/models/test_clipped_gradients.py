@@ -20,7 +20,9 @@ from kdpemb.models.clipped_gradients import (
 
 def squared_error(y_true, y_pred):
     return keras.ops.mean(
-        keras.ops.square(keras.ops.reshape(y_pred, (keras.ops.shape(y_pred)[0], -1)) - y_true),
+        keras.ops.square(
+            keras.ops.reshape(y_pred, (keras.ops.shape(y_pred)[0], -1)) - y_true
+        ),
         axis=-1,
     )
 
@@ -80,7 +82,9 @@ def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
     mask = np.array([True] * (len(x) - 1) + [False])
     clipped, _ = engine(params, fixed, x, y, mask)
     for k in range(len(params)):
-        want = sum(clip * g[k] / n for g, n, m in zip(brute, expected, mask) if m)
+        want = sum(
+            clip * g[k] / n for g, n, m in zip(brute, expected, mask, strict=True) if m
+        )
         got = keras.ops.convert_to_numpy(clipped.total[k])
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)
     assert int(clipped.count) == len(x) - 1
@@ -116,7 +120,9 @@ def test_dense_on_vectors_and_on_tokens_both_ghost_branches():
         dict(filters=3, kernel_size=3, strides=2, padding="same"),
         dict(filters=3, kernel_size=(3, 2), strides=(1, 2), padding="valid"),
         dict(filters=2, kernel_size=3, dilation_rate=2, padding="same"),
-        dict(filters=2, kernel_size=2, dilation_rate=2, padding="valid", use_bias=False),
+        dict(
+            filters=2, kernel_size=2, dilation_rate=2, padding="valid", use_bias=False
+        ),
     ],
     ids=["stride2-same", "rect-valid", "dilated-same", "dilated-valid-nobias"],
 )
@@ -137,12 +143,15 @@ def test_conv1d_with_dilation_and_causal_padding(padding):
 
 
 def test_embedding_with_repeated_tokens():
-    model = sequential(
-        (6,), layers.Embedding(5, 3), layers.Dense(2), layers.Flatten()
-    )
+    model = sequential((6,), layers.Embedding(5, 3), layers.Dense(2), layers.Flatten())
     # Repeated ids within an example add up in one row of the gradient.
     ids = np.array(
-        [[1, 1, 1, 2, 0, 1], [4, 3, 2, 1, 0, 0], [2, 2, 2, 2, 2, 2], [0, 1, 2, 3, 4, 4]],
+        [
+            [1, 1, 1, 2, 0, 1],
+            [4, 3, 2, 1, 0, 0],
+            [2, 2, 2, 2, 2, 2],
+            [0, 1, 2, 3, 4, 4],
+        ],
         "int32",
     )
     check_norms_and_sum(model, ids, ["ghost", "ghost"])

@@ -10,7 +10,9 @@ from kdpemb.errors import PrivacyBudgetExhaustedError, UnsupportedLayerError
 from kdpemb.models import DPModel
 from kdpemb.models.clipped_gradients import ClippedGradients, plan_gradients
 
-pytestmark = pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::kdpemb.errors.ReproducibleNoiseWarning"
+)
 RNG = np.random.default_rng(0)
 
 
@@ -82,7 +84,9 @@ def test_a_clip_norm_below_every_gradient_steps_along_the_mean_normalised_gradie
     model = dp(network, clip_norm=clip)
     model.fit(x, y, batch_size=None, epochs=1, verbose=0)
     for k, (w0, w1) in enumerate(zip(before, weights(model.network), strict=True)):
-        mean = np.mean(clip * grads[k] / norms.reshape((-1,) + (1,) * (grads[k].ndim - 1)), axis=0)
+        mean = np.mean(
+            clip * grads[k] / norms.reshape((-1,) + (1,) * (grads[k].ndim - 1)), axis=0
+        )
         np.testing.assert_allclose(w0 - w1, 0.5 * mean, rtol=1e-4, atol=1e-7)
 
 
@@ -97,7 +101,9 @@ def clipped_sum(network, x, y, mask, clip_norm):
     engine = ClippedGradients(network, plan, keras.losses.get("mse"), [clip_norm])
     params = [v.value for v in network.trainable_variables]
     clipped, _ = engine(params, [], x, y, mask)
-    return np.concatenate([keras.ops.convert_to_numpy(t).ravel() for t in clipped.total])
+    return np.concatenate(
+        [keras.ops.convert_to_numpy(t).ravel() for t in clipped.total]
+    )
 
 
 def test_one_example_moves_the_clipped_sum_by_at_most_c_or_2c_and_can_attain_it():
@@ -118,7 +124,9 @@ def test_one_example_moves_the_clipped_sum_by_at_most_c_or_2c_and_can_attain_it(
     # the opposite sign (a gradient pointing the other way).
     x_swap, y_swap = x.copy(), y.copy()
     y_swap[0] = -y[0]
-    moved = np.linalg.norm(full - clipped_sum(network, x_swap, y_swap, np.ones(6, bool), c))
+    moved = np.linalg.norm(
+        full - clipped_sum(network, x_swap, y_swap, np.ones(6, bool), c)
+    )
     assert moved <= 2 * c * (1 + 1e-5)
     assert moved == pytest.approx(2 * c, rel=1e-4)
 
@@ -183,7 +191,9 @@ def test_fixed_size_sampling_is_accounted_as_replace_one():
 
 
 def test_bad_input_is_refused_before_training():
-    bn = keras.Sequential([keras.Input((3,)), layers.BatchNormalization(), layers.Dense(2)])
+    bn = keras.Sequential(
+        [keras.Input((3,)), layers.BatchNormalization(), layers.Dense(2)]
+    )
     with pytest.raises(UnsupportedLayerError, match="replace_batchnorm"):
         DPModel(bn, noise_multiplier=1.0)
     regularized = keras.Sequential(

@@ -32,7 +32,8 @@ def output_gradients(run, params):
         loss, (outputs, aux) = run(params, None)
     grads = tape.gradient(loss, list(outputs))
     grads = [
-        tf.zeros_like(o) if g is None else g for o, g in zip(outputs, grads, strict=True)
+        tf.zeros_like(o) if g is None else g
+        for o, g in zip(outputs, grads, strict=True)
     ]
     return loss, aux, grads
 
