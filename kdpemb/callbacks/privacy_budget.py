@@ -47,7 +47,9 @@ class PrivacyBudget(keras.callbacks.Callback):
             1/population. None (the default) takes the model's `delta`,
             so δ is given once, to the model.
         target_epsilon: float or None. Stop before ε would exceed this.
-        accountant: str. "pld" (default, tight) or "rdp" (fast).
+        accountant: str or None. "pld" (tight) or "rdp" (fast); None
+            (default): "pld" where it models the model's mechanism, else
+            "rdp" (fixed-size sampling).
         value_discretization_interval: float. PLD resolution. 1e-3 makes
             each epoch's ε about ten times cheaper and at most ~0.5% larger.
             Defaults to 1e-4.
@@ -83,7 +85,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self,
         delta=None,
         target_epsilon=None,
-        accountant="pld",
+        accountant=None,
         value_discretization_interval=1e-4,
         verbose=1,
     ):
@@ -95,7 +97,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             if target_epsilon is None
             else validation.check_target_epsilon(target_epsilon)
         )
-        if accountant not in ACCOUNTANTS:
+        if accountant is not None and accountant not in ACCOUNTANTS:
             raise ValueError(
                 f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}."
             )

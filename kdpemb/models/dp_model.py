@@ -213,8 +213,6 @@ class DPModel(FrozenSettings, keras.Model):
 
         `accountant` defaults to "pld" ("rdp" for fixed-size sampling).
         """
-        if accountant is None:
-            accountant = "rdp" if self.sampling == "fixed" else "pld"
         return protocol.privacy_statement(self, delta, accountant)
 
     # ------------------------------------------------------- training --

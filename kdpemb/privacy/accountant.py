@@ -104,13 +104,35 @@ def _check_accountant(name):
     return name
 
 
+def default_accountant(mechanism):
+    """"pld" (tight) where dp-accounting's PLD accountant models `mechanism`,
+    else "rdp" (fixed-size sampling): what `accountant=None` means in every
+    kdpemb function.
+
+    >>> from kdpemb import privacy
+    >>> default_accountant(privacy.dp_sgd(1.0, batch_size=10, num_examples=100))
+    'pld'
+    """
+    reference = dpa.pld.PLDAccountant(mechanism.neighboring_relation)
+    return "pld" if reference.supports(mechanism.event(1)) else "rdp"
+
+
+def resolve_accountant(mechanism, accountant):
+    """`accountant` checked, or the mechanism's default when None."""
+    if accountant is None:
+        return default_accountant(mechanism)
+    return _check_accountant(accountant)
+
+
 class Accountant:
     """ε(δ) and δ(ε) of `mechanism` after a number of private steps.
 
     Args:
         mechanism: `kdpemb.privacy.Mechanism`. What each step releases.
-        accountant: str. "pld" (tight, default) or "rdp" (fast), as the
-            `accountant=` argument of every other kdpemb function.
+        accountant: str or None. "pld" (tight) or "rdp" (fast), as the
+            `accountant=` argument of every other kdpemb function. None
+            (default): "pld" where it models the mechanism, else "rdp"
+            (fixed-size sampling).
         value_discretization_interval: float. PLD resolution; smaller is
             tighter and slower. Defaults to 1e-4. Unused where the run is
             one Gaussian (no sampled step), whose ε is exact.
@@ -137,7 +159,7 @@ class Accountant:
     def __init__(
         self,
         mechanism,
-        accountant="pld",
+        accountant=None,
         *,
         value_discretization_interval=1e-4,
         rdp_orders=None,
@@ -148,7 +170,7 @@ class Accountant:
                 f"kdpemb.privacy.dp_sgd and friends), got {type(mechanism)}."
             )
         self.mechanism = mechanism
-        self.name = _check_accountant(accountant)
+        self.name = resolve_accountant(mechanism, accountant)
         validation.check_positive(
             value_discretization_interval, "value_discretization_interval"
         )
@@ -462,7 +484,7 @@ class _PldComposer:
         return 0.0 if pld is None else float(pld.get_delta_for_epsilon(epsilon))
 
 
-def epsilon(mechanism, steps, delta, *, accountant="pld"):
+def epsilon(mechanism, steps, delta, *, accountant=None):
     """ε after `steps` steps of `mechanism` at `delta` (one-shot helper).
 
     Example:
@@ -476,7 +498,7 @@ def epsilon(mechanism, steps, delta, *, accountant="pld"):
     return Accountant(mechanism, accountant).epsilon(steps, delta)
 
 
-def delta(mechanism, steps, epsilon, *, accountant="pld"):
+def delta(mechanism, steps, epsilon, *, accountant=None):
     """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper)."""
     steps = validation.check_steps(steps)
     return Accountant(mechanism, accountant).delta(steps, epsilon)

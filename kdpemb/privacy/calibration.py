@@ -39,7 +39,7 @@ import math
 from kdpemb import _validation as validation
 from kdpemb.errors import CalibrationError
 from kdpemb.privacy import analytic_gaussian
-from kdpemb.privacy.accountant import Accountant
+from kdpemb.privacy.accountant import Accountant, resolve_accountant
 from kdpemb.privacy.mechanisms import Relation
 
 DEFAULT_INTERVAL = 1e-4  # The PLD accountant's default grid.
@@ -90,7 +90,7 @@ def calibrate_noise_multiplier(
     delta,
     *,
     target_epsilon,
-    accountant="pld",
+    accountant=None,
     max_noise_multiplier=1000.0,
     min_noise_multiplier=0.01,
     rtol=0.005,
@@ -114,7 +114,8 @@ def calibrate_noise_multiplier(
         steps: int. Planned private steps.
         delta: float. The δ, below 1/population.
         target_epsilon: float. The ε to meet (keyword only).
-        accountant: str. "pld" (default) or "rdp".
+        accountant: str or None. "pld" or "rdp"; None (default): "pld"
+            where it models the mechanism, else "rdp" (fixed-size sampling).
         max_noise_multiplier: float. Largest multiplier considered.
         min_noise_multiplier: float. Smallest multiplier considered; if it
             already meets the target it is returned.
@@ -150,6 +151,7 @@ def calibrate_noise_multiplier(
         )
     if not 0 < rtol < 0.5:
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
+    accountant = resolve_accountant(mechanism, accountant)
     with quiet_dropped_rdp_orders():
         return _calibrate(
             mechanism, steps, delta, target, accountant, z_min, z_max, rtol

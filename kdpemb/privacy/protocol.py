@@ -101,13 +101,14 @@ def model_delta(model, delta=None, who="privacy_statement"):
     return delta
 
 
-def privacy_statement(model, delta=None, accountant="pld"):
+def privacy_statement(model, delta=None, accountant=None):
     """The `PrivacyStatement` of a model that implements the protocol.
 
     Args:
         model: a model with `private_steps` and `privacy_mechanism()`.
         delta: float or None. The δ; None takes the model's `delta`.
-        accountant: str. "pld" (default) or "rdp".
+        accountant: str or None. "pld" or "rdp"; None (default): "pld"
+            where it models the mechanism, else "rdp".
     """
     mechanism = check_private_model(model)
     return PrivacyStatement.compute(

@@ -81,7 +81,7 @@ class PrivacyStatement:
     )
 
     @classmethod
-    def compute(cls, mechanism, steps, delta, accountant="pld"):
+    def compute(cls, mechanism, steps, delta, accountant=None):
         """Accounts `steps` steps of `mechanism` and states the result.
 
         Args:
@@ -89,8 +89,10 @@ class PrivacyStatement:
             steps: int. Private steps taken (0 is allowed: nothing released
                 yet, or only one-off releases).
             delta: float. The δ to state ε at.
-            accountant: str or `Accountant`. "pld" (default), "rdp", or an
+            accountant: str, `Accountant` or None. "pld", "rdp", or an
                 existing accountant of this mechanism (reuses its caches).
+                None (default): "pld" where it models the mechanism, else
+                "rdp".
         """
         if isinstance(accountant, Accountant):
             if accountant.mechanism != mechanism:

@@ -180,14 +180,24 @@ def test_the_budget_contract_with_a_target_epsilon():
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
-def test_fixed_size_sampling_is_accounted_as_replace_one():
+def test_fixed_size_sampling_is_accounted_as_replace_one_with_rdp():
+    from kdpemb.callbacks import PrivacyBudget
+    from kdpemb.errors import UnsupportedMechanismError
+
     x, y = data(n=40)
-    model = dp(mlp(), noise_multiplier=1.0, sampling="fixed")
-    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    model = DPModel(mlp(), target_epsilon=3.0, delta=1e-3, sampling="fixed")
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    budget = PrivacyBudget(verbose=0)
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[budget])
     mechanism = model.privacy_mechanism()
-    assert mechanism.relation_name == "replace_one"
-    statement = model.privacy_statement(delta=1e-3)
-    assert statement.accountant.startswith("rdp") or "RDP" in str(statement)
+    assert (mechanism.relation_name, mechanism.sampling) == ("replace_one", "fixed")
+    statement = model.privacy_statement()
+    assert statement.accountant == "rdp" and statement.steps == 8
+    expected = privacy.Accountant(mechanism, "rdp").epsilon(8, 1e-3)
+    assert statement.epsilon == pytest.approx(expected) and expected <= 3.0
+    assert budget.epsilon == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(UnsupportedMechanismError, match="RDP"):
+        model.privacy_statement(accountant="pld")
 
 
 def test_bad_input_is_refused_before_training():
