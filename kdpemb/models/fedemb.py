@@ -507,12 +507,13 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             )
         )
 
-    def privacy_statement(self, delta=None, accountant="pld"):
+    def privacy_statement(self, delta=None, accountant=None):
         """The `PrivacyStatement` (unit: user) of the rounds taken so far.
 
         Args:
             delta: float or None. Defaults to the model's `delta`.
-            accountant: str. "pld" (default) or "rdp".
+            accountant: str or None. "pld" or "rdp"; None (default):
+                "pld" where it models the mechanism, else "rdp".
         """
         return protocol.privacy_statement(self, delta, accountant)
 

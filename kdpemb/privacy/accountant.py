@@ -10,6 +10,10 @@ Two methods:
   with no discretisation at all.
 - "rdp": Rényi DP (Mironov), fast and looser.
 
+`accountant=None`, the default of every kdpemb function, is "pld" where
+dp-accounting's PLD accountant models the mechanism and "rdp" where it
+does not (fixed-size sampling without replacement).
+
 The accountant caches what does not change between calls: the privacy
 loss distribution (or RDP curve) of one step is built once, and ε for a
 larger step count composes only the new steps onto the last result. This
