@@ -302,7 +302,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self.step_noise_multiplier, self.schedule, self.planned_steps
         )
 
-    def privacy_statement(self, delta=None, accountant="pld"):
+    def privacy_statement(self, delta=None, accountant=None):
         """The `PrivacyStatement` (unit: example) of the steps taken so far.
 
         `delta` defaults to the model's `delta`.
