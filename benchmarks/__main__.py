@@ -5,6 +5,7 @@ Usage:
     python -m benchmarks accounting --json   # one JSON object
     python -m benchmarks all --quick         # every benchmark, smaller sizes
     python -m benchmarks fedemb --quick      # DP-FedEmb utility and speed, smoke
+    python -m benchmarks dp_sgd --quick      # DPModel against non-private steps
 """
 
 import argparse
@@ -17,6 +18,7 @@ import time
 BENCHMARKS = {
     "accounting": "benchmarks.accounting",
     "data": "benchmarks.data_pipeline",
+    "dp_sgd": "benchmarks.dp_sgd",
     "fedemb": "benchmarks.fedemb",
     "last_layer": "benchmarks.last_layer",
     "verification": "benchmarks.verification",

@@ -1,5 +1,6 @@
 """The benchmarks stay runnable (quick sizes); their figures are for the note."""
 
+import itertools
 import json
 import math
 
@@ -173,3 +174,33 @@ def test_last_layer_utility_tunes_on_public_data_and_writes_table_and_curves(
     # A rerun measures nothing again.
     regime.main(["--quick", "--output", str(tmp_path)])
     assert (tmp_path / "records.jsonl").read_text().splitlines() == lines
+
+
+def test_dp_sgd_benchmark_times_dp_model_against_the_same_network():
+    import dataclasses
+
+    from benchmarks import dp_sgd
+
+    assert runner.BENCHMARKS["dp_sgd"] == "benchmarks.dp_sgd"
+    # The CNN mirrors fast-dpsgd's CIFAR10Model: its parameter count, from
+    # the PyTorch layer shapes (3x3 kernels, bias), is 605,226.
+    widths = [3, 32, 32, 64, 64, 128, 128, 256, 10]
+    expected = sum(9 * a * b + b for a, b in itertools.pairwise(widths))
+    assert expected == 605_226
+    assert dp_sgd.cnn(dp_sgd.Config()).count_params() == expected
+    # One model and fixed-size sampling, in-process: JAX compiles each DP
+    # step for seconds. (The CLI's --quick adds the CNN and a Poisson row.)
+    config = dataclasses.replace(dp_sgd.QUICK, models=("vit",), poisson_batch_size=None)
+    result = dp_sgd.run(config=config)
+    device = result["device"]
+    (row,) = result["rows"]
+    assert (row["model"], row["batch_size"], row["sampling"]) == ("vit", 8, "fixed")
+    key = f"{device}: vit B=8 DP fixed / non-private time (goal <= 2)"
+    ratio = result["ratios"][key]
+    assert math.isfinite(ratio) and ratio > 0
+    assert row["non_private_s"] > 0 and row["dp_s"] > 0
+    assert row["ratio"] == pytest.approx(row["dp_s"] / row["non_private_s"])
+    plan = result["figures"]["vit gradient plan"]
+    assert "ghost:" in plan and "vectorized: 1× PositionEmbedding" in plan
+    assert len(result["peers"]) == 10
+    assert "Opacus 1.6.0" in dp_sgd.table(result)
