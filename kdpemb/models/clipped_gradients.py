@@ -31,6 +31,7 @@ Example:
 
 import dataclasses
 import logging
+from typing import NamedTuple
 
 import numpy as np
 from keras import ops
@@ -91,82 +92,177 @@ def _variable_groups(model, owners):
     return tuple(owner_of.get(id(v)) for v in model.trainable_variables)
 
 
-def plan_gradients(model, sample_inputs, mode="auto"):
-    """Decides, from one forward pass on `sample_inputs`, how to compute
-    per-example gradient norms of `model`; see the module docstring.
+def _training(model):
+    """`training=True` for a model whose `call` takes it."""
+    return {"training": True} if model._call_has_training_arg else {}
+
+
+def _tapped_pass(model, owners, inputs):
+    """The tapped calls of one training-mode forward pass on `inputs`, and
+    the losses the layers added (`add_loss`)."""
+    trainable = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+    with layer_taps.tap(owners) as calls:
+        _, _, losses = model.stateless_call(
+            trainable, fixed, inputs, return_losses=True, **_training(model)
+        )
+    return calls, losses
+
+
+def _batched(value, rows):
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) > 0 and shape[0] == rows
+
+
+def _structure_problem(model, owners, sample_inputs):
+    """Why the model cannot be split by layer calls ("" if it can), from
+    passes on 3 and on 2 rows, and the calls of the first."""
+    passes = []
+    # Weight regularizers read no data (DPModel adds their gradients).
+    regularized = sum(v.regularizer is not None for v in model.trainable_weights)
+    for rows in (3, 2):
+        calls, losses = _tapped_pass(model, owners, sample_inputs[:rows])
+        if len(losses) > regularized:
+            raise ValueError(
+                f"Layers of this model add {len(losses) - regularized} loss "
+                "term(s) with "
+                "add_loss (or an activity regularizer): DPModel clips each "
+                "example's gradient of the compiled loss only, and would leave "
+                "them out. Remove them, or make them part of the loss."
+            )
+        passes.append((rows, calls))
+    rows, calls = passes[0]
+    called = [c.layer for c in calls]
+    repeated = sorted({c.layer.name for c in calls if called.count(c.layer) > 1})
+    if repeated:
+        return f"layers called more than once: {', '.join(repeated)}", calls
+    unbatched = sorted(
+        {
+            c.layer.name
+            for rows, pass_calls in passes
+            for c in pass_calls
+            if not (_batched(c.inputs, rows) and _batched(c.output, rows))
+        }
+    )
+    if unbatched:
+        return (
+            "layers called on (or returning) a tensor without the batch axis: "
+            f"{', '.join(unbatched)}"
+        ), calls
+    if any(c.other_args for c in calls):
+        names = sorted({c.layer.name for c in calls if c.other_args})
+        return f"layers called with several tensors: {', '.join(names)}", calls
+    owned = [
+        id(v) for layer in owners for v in layer_taps.own_trainable_variables(layer)
+    ]
+    if len(owned) != len(set(owned)):
+        return "a variable is tracked by two layers (tied weights)", calls
+    return "", calls
+
+
+def _self_check_problem(model, plan, loss_fn, sample_inputs, sample_targets):
+    """Why the by-layer plan cannot be trusted on this model ("" if it can):
+    its norms differ from whole-model per-example gradients, or one row's
+    input changes another row's output."""
+    backend = backends.current()
+    params = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+    x = ops.convert_to_tensor(sample_inputs)
+    y = ops.convert_to_tensor(sample_targets)
+    engine = ClippedGradients(model, plan, loss_fn, [1.0])
+
+    def both_norms(params, fixed, x, y):
+        whole = engine._per_example_gradients(backend, params, fixed, x, y)
+        by_layer = engine.per_example_norms(params, fixed, x, y)
+        return by_layer, gaussian_sum.global_norms(whole)
+
+    by_layer, whole = backend.compiled(both_norms)(params, fixed, x, y)
+    by_layer = ops.convert_to_numpy(by_layer)
+    whole = ops.convert_to_numpy(whole)
+    if not np.allclose(by_layer, whole, rtol=1e-3, atol=1e-6 * (1 + whole.max())):
+        return (
+            "its per-layer norms differ from whole-model per-example gradients "
+            "(weights read outside the layer that owns them?)"
+        )
+    other = np.asarray(ops.convert_to_numpy(x)).copy()
+    if np.issubdtype(other.dtype, np.floating):
+        other[0] = 2 * other[-1] + 1
+    else:  # Indices stay valid.
+        other[0] = (other[0] + 1) % 2
+    outputs = [
+        ops.convert_to_numpy(
+            model.stateless_call(params, fixed, inputs, **_training(model))[0]
+        )
+        for inputs in (x, ops.convert_to_tensor(other))
+    ]
+    if not np.allclose(outputs[0][1:], outputs[1][1:], rtol=1e-5, atol=1e-6):
+        return "one example's input changes another example's output"
+    return ""
+
+
+def plan_gradients(
+    model, sample_inputs, mode="auto", loss_fn=None, sample_targets=None
+):
+    """Decides how to compute per-example gradient norms of `model`, from
+    forward passes on `sample_inputs`; see the module docstring.
+
+    With `loss_fn` and `sample_targets`, a by-layer plan is also checked
+    against whole-model per-example gradients on the sample, and against
+    a model whose examples interact; if either check fails the plan falls
+    back to whole-model gradients. Pass synthetic (or public) samples of
+    the training data's shape: the plan should not depend on private
+    values.
 
     Args:
         model: a built `keras.Model`.
-        sample_inputs: a small batch of inputs (three examples suffice).
+        sample_inputs: a batch of at least three inputs.
         mode: "auto" (default: by layer where the model allows it),
             "ghost" (by layer, and refuse a layer without a ghost norm) or
             "vectorized" (whole-model per-example gradients).
+        loss_fn, sample_targets: optional; see above.
 
     Returns:
         `GradientPlan`.
     """
     if mode not in MODES:
         raise ValueError(f"gradient_method must be one of {MODES}, got {mode!r}.")
+    if int(ops.shape(sample_inputs)[0]) < 3:
+        raise ValueError("plan_gradients needs a sample of at least three inputs.")
     owners = layer_taps.weight_owners(model)
-    all_owners = owners
+    reason, calls = _structure_problem(model, owners, sample_inputs)
     if mode == "vectorized":
-        return GradientPlan("whole_model", (), (), _variable_groups(model, owners),
-                            "gradient_method='vectorized'")  # fmt: skip
-    trainable = [v.value for v in model.trainable_variables]
-    fixed = [v.value for v in model.non_trainable_variables]
-    with layer_taps.tap(owners) as calls:
-        model.stateless_call(trainable, fixed, sample_inputs, training=True)
-    called = [c.layer for c in calls]
-    rows = int(ops.shape(sample_inputs)[0])
-    reason = ""
-    unbatched = sorted(
-        {
-            c.layer.name
-            for c in calls
-            if c.inputs is None
-            or not hasattr(c.inputs, "shape")
-            or len(c.inputs.shape) == 0
-            or c.inputs.shape[0] != rows
-            or not hasattr(c.output, "shape")
-            or len(c.output.shape) == 0
-            or c.output.shape[0] != rows
-        }
-    )
-    repeated = sorted({c.layer.name for c in calls if called.count(c.layer) > 1})
-    if repeated:
-        reason = f"layers called more than once: {', '.join(repeated)}"
-    elif unbatched:
-        reason = (
-            "layers called on (or returning) a tensor without the batch "
-            f"axis: {', '.join(unbatched)}"
-        )
-    elif any(c.other_args for c in calls):
-        names = sorted({c.layer.name for c in calls if c.other_args})
-        reason = f"layers called with several tensors: {', '.join(names)}"
-    if reason:
-        if mode == "ghost":
+        reason = "gradient_method='vectorized'"
+    plan = None
+    if not reason:
+        called = tuple(c.layer for c in calls)
+        methods = tuple(ghost_norms.method_of(c) for c in calls)
+        if mode == "ghost" and "vectorized" in methods:
+            names = [c.layer.name for c, m in zip(calls, methods, strict=True)
+                     if m == "vectorized"]  # fmt: skip
             raise ValueError(
-                f"gradient_method='ghost' cannot split this model by layer "
-                f"({reason}); use gradient_method='auto' or 'vectorized'."
+                f"gradient_method='ghost': no ghost norm for the layers {names}; "
+                "use gradient_method='auto' (a vectorised per-example gradient "
+                "of those layers alone)."
             )
-        return GradientPlan(
-            "whole_model", (), (), _variable_groups(model, all_owners), reason
+        # Layers never called (no gradient) keep a group of their own.
+        unused = [layer for layer in owners if layer not in called]
+        plan = GradientPlan(
+            "layers", called, methods, _variable_groups(model, (*called, *unused))
         )
-    owners = tuple(called)
-    methods = tuple(ghost_norms.method_of(c) for c in calls)
-    if mode == "ghost" and "vectorized" in methods:
-        names = [c.layer.name for c, m in zip(calls, methods, strict=True)
-                 if m == "vectorized"]  # fmt: skip
+        if loss_fn is not None:
+            reason = _self_check_problem(
+                model, plan, loss_fn, sample_inputs[:3], sample_targets[:3]
+            )
+    if reason and mode == "ghost":
         raise ValueError(
-            f"gradient_method='ghost': no ghost norm for the layers {names}; "
-            "use gradient_method='auto' (a vectorised per-example gradient "
-            "of those layers alone)."
+            f"gradient_method='ghost' cannot split this model by layer "
+            f"({reason}); use gradient_method='auto' or 'vectorized'."
         )
-    # Layers never called (no gradient) keep a group of their own.
-    unused = [layer for layer in all_owners if layer not in owners]
-    return GradientPlan(
-        "layers", owners, methods, _variable_groups(model, (*owners, *unused))
-    )
+    if reason:
+        return GradientPlan(
+            "whole_model", (), (), _variable_groups(model, owners), reason
+        )
+    return plan
 
 
 def per_example_losses(loss_fn, y_true, y_pred):
@@ -182,6 +278,38 @@ def per_example_losses(loss_fn, y_true, y_pred):
     if len(losses.shape) > 1:
         losses = ops.mean(ops.reshape(losses, (ops.shape(losses)[0], -1)), axis=1)
     return losses
+
+
+class _Taps(NamedTuple):
+    calls: list
+    grads: list
+    squared: list
+    per_example: list  # Per-example gradients of "vectorized" layers, or None.
+    value_of: object
+    new_fixed: list
+
+
+def _along_rows(factors, tensor):
+    return ops.reshape(factors, (-1,) + (1,) * (len(tensor.shape) - 1))
+
+
+def _weighted_rows(rows, factors):
+    """Σᵢ factorsᵢ · rowsᵢ, where a row with factor 0 adds exactly 0."""
+    f = _along_rows(factors, rows)
+    return ops.sum(ops.where(f > 0, ops.cast(rows, "float32"), 0.0) * f, axis=0)
+
+
+def _weighted_layer_gradient(call, g, factors, value_of, backend):
+    """Σᵢ factorsᵢ · (example i's gradient of the layer's weights), by one
+    VJP of the layer replayed on its inputs. Rows with factor 0 get zero
+    inputs and a zero cotangent, so that a NaN in them adds exactly 0."""
+    f = _along_rows(factors, g)
+    cotangent = ops.where(f > 0, ops.cast(g, "float32"), 0.0) * f
+    inputs = call.inputs
+    keep = _along_rows(factors, inputs) > 0
+    inputs = ops.where(keep, inputs, ops.zeros_like(inputs))
+    replayed = call._replace(inputs=inputs)
+    return ghost_norms.layer_gradient(replayed, cotangent, value_of, backend)
 
 
 def _is_seed_state(variable):
@@ -245,29 +373,32 @@ class ClippedGradients:
         backend = backends.current()
         mask = ops.ones((ops.shape(x)[0],), "bool")
         if self.plan.mode == "layers":
-            _, _, squared, _, _ = self._taps(backend, params, non_trainable, x, y, mask)
-            return ops.sqrt(sum(squared[1:], squared[0]))
+            taps = self._taps(backend, params, non_trainable, x, y, mask)
+            return ops.sqrt(sum(taps.squared[1:], taps.squared[0]))
         grads = self._per_example_gradients(backend, params, non_trainable, x, y)
         return gaussian_sum.global_norms(grads)
 
     def _taps(self, backend, params, non_trainable, x, y, mask):
-        """One forward and backward pass: the tapped calls, the gradients of
-        their outputs, their per-example squared norms, `value_of` and the
-        new non-trainable values."""
+        """One forward and backward pass (`_Taps`): the tapped calls, the
+        gradients of their outputs, each layer's per-example squared norms
+        (and, for "vectorized" layers, the per-example gradients they come
+        from), `value_of` and the new non-trainable values."""
         model, owners = self.model, self.plan.owners
-        mask_f = ops.cast(mask, "float32")
+        mask = ops.cast(mask, "bool")
         records = {}
 
         def run(values, probes):
             with layer_taps.tap(owners, probes) as calls:
                 y_pred, new_fixed = model.stateless_call(
-                    values, non_trainable, x, training=True
+                    values, non_trainable, x, **_training(model)
                 )
             losses = per_example_losses(self.loss_fn, y, y_pred)
             records["calls"] = calls
             outputs = [c.output for c in calls]
             inputs = [c.inputs for c in calls]
-            return ops.sum(losses * mask_f), (outputs, (inputs, new_fixed))
+            # where(), not a product: a NaN loss of a left-out row adds 0.
+            total = ops.sum(ops.where(mask, losses, 0.0))
+            return total, (outputs, (inputs, new_fixed))
 
         _, (inputs, new_fixed), grads = backend.output_gradients(run, params)
         calls = [
@@ -289,33 +420,35 @@ class ClippedGradients:
         def value_of(variable):
             return values.get(id(variable), variable.value)
 
-        squared = []
+        squared, per_example = [], []
         for call, g, method in zip(calls, grads, self.plan.methods, strict=True):
             if method == "ghost":
                 squared.append(ghost_norms.ghost_squared_norms(call, g, value_of))
+                per_example.append(None)
             else:
-                squared.append(
-                    ghost_norms.vectorized_squared_norms(call, g, value_of, backend)
-                )
-        return calls, grads, squared, value_of, new_fixed
+                rows = ghost_norms.vectorized_gradients(call, g, value_of, backend)
+                squared.append(ops.square(gaussian_sum.global_norms(rows)))
+                per_example.append(rows)
+        return _Taps(calls, grads, squared, per_example, value_of, new_fixed)
 
     def _by_layer(self, backend, params, non_trainable, x, y, mask):
         model = self.model
-        calls, grads, squared, value_of, new_fixed = self._taps(
-            backend, params, non_trainable, x, y, mask
-        )
+        taps = self._taps(backend, params, non_trainable, x, y, mask)
+        calls, grads, squared = taps.calls, taps.grads, taps.squared
 
         def layer_sums(factors_of_call):
             total = [None] * len(params)
             position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-            for call, g, factors in zip(calls, grads, factors_of_call, strict=True):
-                shape = (-1,) + (1,) * (len(g.shape) - 1)
-                factors = ops.reshape(factors, shape)
-                cotangent = (
-                    ops.where(factors > 0, ops.cast(g, "float32"), 0.0) * factors
-                )
+            for call, g, rows, factors in zip(
+                calls, grads, taps.per_example, factors_of_call, strict=True
+            ):
+                if rows is None:
+                    sums = _weighted_layer_gradient(
+                        call, g, factors, taps.value_of, backend
+                    )
+                else:  # The very gradients whose norms gave the factors.
+                    sums = [_weighted_rows(r, factors) for r in rows]
                 own = layer_taps.own_trainable_variables(call.layer)
-                sums = ghost_norms.layer_gradient(call, cotangent, value_of, backend)
                 for variable, value in zip(own, sums, strict=True):
                     total[position[id(variable)]] = ops.cast(value, "float32")
             return [
@@ -337,7 +470,7 @@ class ClippedGradients:
                 group_norms, self.clip_norms,
                 lambda factors: layer_sums(factors[: len(calls)]), mask,
             )  # fmt: skip
-        return clipped, new_fixed
+        return clipped, taps.new_fixed
 
     # -- whole model -----------------------------------------------------
 
@@ -347,7 +480,7 @@ class ClippedGradients:
         def one(x_i, y_i):
             def loss(values):
                 y_pred, _ = model.stateless_call(
-                    values, non_trainable, ops.expand_dims(x_i, 0), training=True
+                    values, non_trainable, ops.expand_dims(x_i, 0), **_training(model)
                 )
                 losses = per_example_losses(
                     self.loss_fn, ops.expand_dims(y_i, 0), y_pred
@@ -374,11 +507,10 @@ class ClippedGradients:
                 return gaussian_sum.global_norms(members)
 
             def weighted_sum(factors):
-                total = []
-                for g, k in zip(grads, groups, strict=True):
-                    f = ops.reshape(factors[k], (-1,) + (1,) * (len(g.shape) - 1))
-                    total.append(ops.sum(ops.where(f > 0, g, 0.0) * f, axis=0))
-                return total
+                return [
+                    _weighted_rows(g, factors[k])
+                    for g, k in zip(grads, groups, strict=True)
+                ]
 
             clipped = gaussian_sum.clipped_sum_from_group_norms(
                 [group_norm(k) for k in range(len(self.clip_norms))],
@@ -387,5 +519,7 @@ class ClippedGradients:
         if not self.seed_states:
             return clipped, non_trainable
         # A plain forward pass advances the random-seed states (dropout).
-        _, new_fixed = model.stateless_call(params, non_trainable, x, training=True)
+        _, new_fixed = model.stateless_call(
+            params, non_trainable, x, **_training(model)
+        )
         return clipped, new_fixed

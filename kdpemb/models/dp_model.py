@@ -137,8 +137,7 @@ class DPModel(FrozenSettings, keras.Model):
             raise TypeError(
                 f"network must be a keras.Model, got {type(network).__name__}."
             )
-        self.network = backbone_checks.check_backbone(network)
-        _check_no_activity_regularizer(network)
+        self.network = _check_network(network)
         self.clip_norm = validation.check_clip_norm(clip_norm)
         (
             self.noise_multiplier,
@@ -182,6 +181,7 @@ class DPModel(FrozenSettings, keras.Model):
             seed, ("noise_seed",), "DPModel"
         )
         self.gradient_plan = None
+        self._plan_signature = None
         self._freeze_settings()
 
     # ------------------------------------------------------------ model --
@@ -270,6 +270,7 @@ class DPModel(FrozenSettings, keras.Model):
                     "accounting assumes."
                 )
         _check_single_device()
+        _check_network(self.network)  # Layers may have been unfrozen since.
         if not self.compiled:
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
         x, y = _check_data(x, y)
@@ -282,8 +283,7 @@ class DPModel(FrozenSettings, keras.Model):
             )
         steps_per_epoch, schedule = self._schedule_for(num_examples, batch_size)
         self._build_for(x[:3], y[:3])
-        if self.gradient_plan is None:
-            self._plan_gradients(x[:3], privacy_plan.is_verbose({"verbose": verbose}))
+        self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 
         def steps_of(start_epoch):
             return steps_per_epoch * max(0, epochs - (start_epoch or initial_epoch))
@@ -313,16 +313,20 @@ class DPModel(FrozenSettings, keras.Model):
             padding=backends.current().BATCH_PADDING, sampling=self.sampling,
             multiple_of=physical if self.physical_batch_size else 1,
         )  # fmt: skip
-        return super().fit(
-            batches,
-            epochs=epochs,
-            verbose=verbose,
-            callbacks=callbacks,
-            validation_data=validation_data,
-            initial_epoch=initial_epoch,
-            shuffle=False,
-            **kwargs,
-        )
+        try:
+            return super().fit(
+                batches,
+                epochs=epochs,
+                verbose=verbose,
+                callbacks=callbacks,
+                validation_data=validation_data,
+                initial_epoch=initial_epoch,
+                shuffle=False,
+                **kwargs,
+            )
+        finally:
+            # The generator's state after the fit would regenerate its draws.
+            private_state.reseed([self.noise_seed], self.seed)
 
     def _build_for(self, x, y):
         """Builds the network and the compiled loss and metrics on two
@@ -402,8 +406,21 @@ class DPModel(FrozenSettings, keras.Model):
             self.noise_multiplier = None
             self.schedule = None
 
-    def _plan_gradients(self, sample, verbose):
-        self.gradient_plan = plan_gradients(self.network, sample, self.gradient_method)
+    def _plan_gradients(self, x, y, verbose):
+        """Plans how per-example norms are computed (once, and again when the
+        trainable variables change), from synthetic inputs of the data's
+        shapes: the plan does not depend on private values."""
+        signature = tuple(id(v) for v in self.network.trainable_variables)
+        if self.gradient_plan is not None and signature == self._plan_signature:
+            return
+        sample_x, sample_y = _synthetic_like(x), _synthetic_like(y, zeros=True)
+        self.gradient_plan = plan_gradients(
+            self.network, sample_x, self.gradient_method,
+            self._per_example_loss, sample_y,
+        )  # fmt: skip
+        self._plan_signature = signature
+        self._engine = None
+        self.train_function = None  # Retrace with the new plan.
         message = f"DPModel: {self.gradient_plan.describe()}."
         logger.info(message)
         if verbose:
@@ -447,11 +464,26 @@ class DPModel(FrozenSettings, keras.Model):
             for total, n in zip(clipped.total, noise, strict=True)
         ]
         grads = _add_weight_penalties(network, params, grads)
+        within_plan = self._within_plan()
+        if within_plan is not None:
+            # Past the plan (a callback changed the step count mid-fit, which
+            # fit's checks cannot see): release nothing computed from the data
+            # and count nothing. A zero gradient; momentum still moves.
+            grads = [ops.where(within_plan, g, ops.zeros_like(g)) for g in grads]
         self.optimizer.apply(grads, network.trainable_variables)
         for variable, value in zip(network.non_trainable_variables, fixed, strict=True):
             variable.assign(value)
-        self.private_steps.assign_add(1)
+        self.private_steps.assign_add(
+            1 if within_plan is None else ops.cast(within_plan, "int32")
+        )
         return {"private_steps": self.private_steps.value}
+
+    def _within_plan(self):
+        """With a `target_epsilon`, whether this step is within the plan (a
+        traced bool); else None."""
+        if self.target_epsilon is None:
+            return None
+        return ops.less(self.private_steps.value, self.planned_steps)
 
     def _accumulate(self, engine, params, fixed, x, y, mask):
         """The clipped sum over the logical batch, physical batch by batch."""
@@ -514,14 +546,17 @@ class DPModel(FrozenSettings, keras.Model):
         return cls(**config)
 
 
-def _check_no_activity_regularizer(network):
-    """Activity regularizers add a loss computed from each batch's
-    activations outside the per-example loss; refused, not ignored."""
+def _check_network(network):
+    """Refuses, before any step, layers that would break the per-example
+    bound or be left out of it: trainable BatchNormalization, activity
+    regularizers, mixed precision."""
     from kdpemb.models.layer_taps import all_layers
 
+    backbone_checks.check_backbone(network)
+    layers = all_layers(network)
     names = [
         layer.name
-        for layer in all_layers(network)
+        for layer in layers
         if getattr(layer, "activity_regularizer", None) is not None
     ]
     if names:
@@ -530,6 +565,27 @@ def _check_no_activity_regularizer(network):
             "example's gradient of the compiled loss only, and would leave that "
             "term out. Remove it, or add it to the loss per example."
         )
+    mixed = [
+        layer.name
+        for layer in layers
+        if layer.dtype_policy.compute_dtype != layer.dtype_policy.variable_dtype
+    ]
+    if mixed:
+        raise ValueError(
+            f"Layers {mixed[:5]} use a mixed-precision dtype policy; DPModel "
+            "computes per-example gradients in float32 only for now. Build the "
+            "network under keras.config.set_dtype_policy('float32')."
+        )
+    return network
+
+
+def _synthetic_like(array, zeros=False):
+    """Three rows of the shape and dtype of `array`'s rows: zeros for
+    integers (valid indices and labels), a fixed normal draw otherwise."""
+    shape, dtype = (3, *np.shape(array)[1:]), np.asarray(array[:1]).dtype
+    if zeros or not np.issubdtype(dtype, np.floating):
+        return np.zeros(shape, dtype)
+    return np.random.default_rng(0).normal(size=shape).astype(dtype)
 
 
 def _check_single_device():

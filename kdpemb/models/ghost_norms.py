@@ -17,7 +17,7 @@ activation). Its squared L2 norm follows without forming the gradient
   normalised input x̂ element-wise, so their per-example gradients are
   `Σ x̂ ⊙ g` and `Σ g` over the positions they are shared by.
 
-Any other layer with weights goes through `vectorized_squared_norms`: the
+Any other layer with weights goes through `vectorized_gradients`: the
 per-example gradient of that layer alone (`vmap` on JAX,
 `tf.vectorized_map` on TensorFlow). `method_of(call)` says which applies.
 
@@ -51,11 +51,18 @@ def method_of(call):
         layer, "lora_enabled", False
     ):
         return "vectorized"
+    # The formulas cover all of a layer's weights: with some frozen (e.g.
+    # biases trained alone), they would count the frozen ones too.
+    if len(layer_taps.own_trainable_variables(layer)) != len(
+        layer._trainable_variables
+    ):
+        return "vectorized"
     kind = type(layer)
     if kind in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding):
         return "ghost"
     if kind in (keras.layers.Conv1D, keras.layers.Conv2D):
-        return "ghost" if layer.groups == 1 else "vectorized"
+        plain = layer.groups == 1 and layer.data_format == "channels_last"
+        return "ghost" if plain else "vectorized"
     if kind in _NORMALIZATIONS:
         rank = len(call.inputs.shape)
         return "ghost" if _trailing_axes(layer.axis, rank) else "vectorized"
@@ -98,7 +105,8 @@ def outer_sum_squared_norms(a, g):
     if positions is not None and positions * positions <= p * q:
         gram_a = ops.einsum("btp,bsp->bts", a, a)
         gram_g = ops.einsum("btq,bsq->bts", g, g)
-        return ops.sum(gram_a * gram_g, axis=(1, 2))
+        # A sum of squares, but round-off can take it just below 0.
+        return ops.maximum(ops.sum(gram_a * gram_g, axis=(1, 2)), 0.0)
     per_example = ops.einsum("btp,btq->bpq", a, g)
     return ops.sum(ops.square(per_example), axis=(1, 2))
 
@@ -203,7 +211,8 @@ def _embedding(layer, ids, g):
     ids = ops.reshape(ops.cast(ids, "int32"), (ops.shape(ids)[0], -1))
     g = _positions(_f32(g))
     same = ops.cast(ops.expand_dims(ids, 2) == ops.expand_dims(ids, 1), "float32")
-    return ops.sum(same * ops.einsum("btd,bsd->bts", g, g), axis=(1, 2))
+    squared = ops.sum(same * ops.einsum("btd,bsd->bts", g, g), axis=(1, 2))
+    return ops.maximum(squared, 0.0)
 
 
 def _normalization(layer, a, g, kwargs, value_of):
@@ -247,7 +256,7 @@ def ghost_squared_norms(call, g, value_of=None):
         return _embedding(layer, a, g)
     if kind in _NORMALIZATIONS:
         return _normalization(layer, a, g, call.kwargs, value_of)
-    raise TypeError(f"No ghost norm for {kind.__name__}; use vectorized_squared_norms.")
+    raise TypeError(f"No ghost norm for {kind.__name__}; use vectorized_gradients.")
 
 
 def replay(layer, own_values, inputs, kwargs, value_of):
@@ -282,9 +291,12 @@ def layer_gradient(call, cotangent, value_of, backend):
     return grads
 
 
-def vectorized_squared_norms(call, g, value_of, backend):
-    """Per-example squared gradient norms `[B]` of any layer's own trainable
-    weights: each example's gradient of that layer alone, vectorised."""
+def vectorized_gradients(call, g, value_of, backend):
+    """Each example's gradient of `call.layer`'s own trainable weights (a
+    list, one `[B, ...]` tensor per variable): the layer replayed on one
+    example at a time, vectorised. For layers without a ghost norm; the
+    caller clips and sums these very tensors, so the norm that sets an
+    example's clip factor is that of the gradient it contributes."""
     own = layer_taps.own_trainable_variables(call.layer)
     own_values = [value_of(v) for v in own]
 
@@ -296,6 +308,6 @@ def vectorized_squared_norms(call, g, value_of, backend):
             return ops.sum(_f32(output) * ops.expand_dims(_f32(grad), 0))
 
         _, grads = backend.value_and_grad(weighted)(own_values)
-        return sum(ops.sum(ops.square(_f32(gr))) for gr in grads)
+        return [_f32(gr) for gr in grads]
 
     return backend.per_example_map(one, call.inputs, g)

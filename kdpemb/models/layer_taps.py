@@ -10,9 +10,9 @@ records the call (and adds a zero probe to the output, whose gradient is
 - `weight_owners(model)`: the layers (the model itself included) that
   own trainable variables directly, not through a sublayer, depth first.
 - `tap(layers, probes)`: a context manager that yields the list of
-  `TappedCall`s the forward pass appends to, in call order. A layer's
-  built-in `activation` (Dense, Conv, EinsumDense) is applied after the
-  tap, so the recorded output is the one the weights act on linearly.
+  `TappedCall`s the forward pass appends to, in call order. The built-in
+  `activation` of Dense, EinsumDense, Conv1D and Conv2D is applied after
+  the tap, so the recorded output is the one the weights act on linearly.
 
 Example:
 
@@ -84,13 +84,23 @@ def weight_owners(model):
     return [layer for layer in all_layers(model) if own_trainable_variables(layer)]
 
 
+# Layers whose output before their built-in activation is linear in their
+# weights (exact types: a subclass may use `activation` otherwise).
+LINEAR_BEFORE_ACTIVATION = (
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+)
+
+
 @contextlib.contextmanager
 def linear(layer):
-    """Runs `layer` without its built-in `activation` (Dense, Conv,
-    EinsumDense); yields that activation (None if it has none), so the
-    caller can apply it: ghost norms need the gradient before it."""
+    """Runs `layer` without its built-in `activation` if it is one of
+    `LINEAR_BEFORE_ACTIVATION`; yields that activation (None otherwise), so
+    the caller can apply it: ghost norms need the gradient before it."""
     activation = getattr(layer, "activation", None)
-    if not callable(activation):
+    if type(layer) not in LINEAR_BEFORE_ACTIVATION or not callable(activation):
         yield None
         return
     object.__setattr__(layer, "activation", None)

@@ -109,7 +109,7 @@ def _check_accountant(name):
 
 
 def default_accountant(mechanism):
-    """"pld" (tight) where dp-accounting's PLD accountant models `mechanism`,
+    """ "pld" (tight) where dp-accounting's PLD accountant models `mechanism`,
     else "rdp" (fixed-size sampling): what `accountant=None` means in every
     kdpemb function.
 

@@ -27,19 +27,27 @@ def squared_error(y_true, y_pred):
     )
 
 
+def compiled(fn):
+    return backends.current().compiled(fn)
+
+
 def brute_force_gradients(model, x, y, loss_fn=squared_error):
     """Example i's gradient (a list over trainable variables), one at a time."""
     backend = backends.current()
     params = [v.value for v in model.trainable_variables]
     fixed = [v.value for v in model.non_trainable_variables]
+
+    def gradient(params, x_i, y_i):
+        def loss(values):
+            out, _ = model.stateless_call(values, fixed, x_i, training=True)
+            return keras.ops.sum(per_example_losses(loss_fn, y_i, out))
+
+        return backend.value_and_grad(loss)(params)[1]
+
+    gradient = compiled(gradient)
     rows = []
     for i in range(len(x)):
-
-        def loss(values, i=i):
-            out, _ = model.stateless_call(values, fixed, x[i : i + 1], training=True)
-            return keras.ops.sum(per_example_losses(loss_fn, y[i : i + 1], out))
-
-        _, grads = backend.value_and_grad(loss)(params)
+        grads = gradient(params, x[i : i + 1], y[i : i + 1])
         rows.append([keras.ops.convert_to_numpy(g).astype("float64") for g in grads])
     return rows
 
@@ -72,7 +80,8 @@ def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
     if expect_methods is not None:
         assert plan.methods == tuple(expect_methods), plan.describe()
     params, fixed = state(model)
-    norms = keras.ops.convert_to_numpy(engine.per_example_norms(params, fixed, x, y))
+    norms = compiled(engine.per_example_norms)(params, fixed, x, y)
+    norms = keras.ops.convert_to_numpy(norms)
     brute = brute_force_gradients(model, x, y)
     expected = np.array([flat_norm(g) for g in brute])
     np.testing.assert_allclose(norms, expected, rtol=2e-4, atol=atol)
@@ -80,7 +89,7 @@ def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
     clip = float(expected.min()) / 2
     _, engine = engine_for(model, x, mode, clip_norms=(clip,))
     mask = np.array([True] * (len(x) - 1) + [False])
-    clipped, _ = engine(params, fixed, x, y, mask)
+    clipped, _ = compiled(engine)(params, fixed, x, y, mask)
     for k in range(len(params)):
         want = sum(
             clip * g[k] / n for g, n, m in zip(brute, expected, mask, strict=True) if m
@@ -207,7 +216,7 @@ def test_whole_model_path_equals_the_ghost_path():
     results = []
     for mode in ("ghost", "vectorized"):
         _, engine = engine_for(model, x, mode, clip_norms=(0.05,))
-        clipped, _ = engine(params, fixed, x, y, mask)
+        clipped, _ = compiled(engine)(params, fixed, x, y, mask)
         results.append([keras.ops.convert_to_numpy(t) for t in clipped.total])
     for ghost, whole in zip(*results, strict=True):
         np.testing.assert_allclose(ghost, whole, rtol=2e-4, atol=1e-6)
@@ -223,8 +232,116 @@ def test_per_layer_clipping_clips_each_layer_to_its_share():
     for mode in ("auto", "vectorized"):
         _, engine = engine_for(model, x, mode, clip_norms=(c, c))
         assert engine.clip_norm == pytest.approx(c * np.sqrt(2))
-        clipped, _ = engine(params, fixed, x, y, np.ones(4, bool))
+        clipped, _ = compiled(engine)(params, fixed, x, y, np.ones(4, bool))
         for k, (first, last) in enumerate([(0, 2), (0, 2), (2, 4), (2, 4)]):
             want = sum(c * g[k] / flat_norm(g[first:last]) for g in brute)
             got = keras.ops.convert_to_numpy(clipped.total[k])
             np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-7)
+
+
+class DropoutScale(layers.Layer):
+    """A layer with a weight and its own randomness inside."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[1:], initializer="ones")
+        self.dropout = layers.Dropout(0.5)
+
+    def call(self, x, training=None):
+        return self.dropout(x * self.w, training=training)
+
+
+def tied_embedding_model():
+    class Tied(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embed = layers.Embedding(6, 3)
+            self.mix = layers.Dense(3)
+
+        def call(self, ids):
+            h = self.mix(self.embed(ids))
+            # The embedding matrix is read again outside its layer's call.
+            return keras.ops.matmul(h, keras.ops.transpose(self.embed.embeddings))
+
+    model = Tied()
+    model(np.zeros((2, 4), "int32"))
+    return model
+
+
+MODELS = {
+    "dense": (lambda: sequential((4,), layers.Dense(3, "tanh"), layers.Dense(2)),
+              lambda: images((4,), n=6)),
+    "conv": (lambda: sequential((6, 6, 2), layers.Conv2D(3, 3, strides=2),
+                                layers.GroupNormalization(groups=3), layers.Flatten(),
+                                layers.Dense(2)),
+             lambda: images((6, 6, 2), n=6)),
+    "dropout_in_owner": (lambda: sequential((3, 4), DropoutScale(), layers.Dense(2),
+                                            layers.Flatten()),
+                         lambda: images((3, 4), n=6)),
+    "tied_embedding": (tied_embedding_model,
+                       lambda: RNG.integers(0, 6, size=(6, 4)).astype("int32")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per_layer"])
+def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(name, per_layer):
+    build, inputs = MODELS[name]
+    keras.utils.set_random_seed(0)
+    model, x = build(), inputs()
+    y = targets(model, x)
+    plan = plan_gradients(model, x[:3], "auto", squared_error, y[:3])
+    if name == "tied_embedding":
+        assert plan.mode == "whole_model", plan.describe()
+    groups = plan.num_groups if per_layer else 1
+    c = 1e-3  # Below every norm: every contribution has norm exactly C.
+    engine = ClippedGradients(
+        model, plan, squared_error, [c / np.sqrt(groups)] * groups
+    )
+    params, fixed = state(model)
+    step = compiled(engine)
+
+    def total(mask):
+        clipped, _ = step(params, fixed, x, y, mask)
+        return np.concatenate(
+            [keras.ops.convert_to_numpy(t).ravel() for t in clipped.total]
+        )
+
+    full = total(np.ones(len(x), bool))
+    for i in range(len(x)):
+        mask = np.ones(len(x), bool)
+        mask[i] = False
+        moved = np.linalg.norm(full - total(mask))
+        assert moved <= c * (1 + 1e-4), (i, moved / c)
+        if not per_layer:
+            assert moved == pytest.approx(c, rel=1e-3)
+
+
+def test_a_nan_example_adds_nothing_even_on_the_ghost_path():
+    model = sequential((4,), layers.Dense(3, "relu"), layers.Dense(2))
+    x = images((4,), n=5)
+    y = targets(model, x)
+    x[0, 1] = np.nan  # A masked-out row (as padding copies of example 0)...
+    x[3, 0] = np.inf  # ... and a sampled one.
+    mask = np.array([False, True, True, True, True])
+    _, engine = engine_for(model, x[1:], clip_norms=(0.1,))
+    params, fixed = state(model)
+    step = compiled(engine)
+    clipped, _ = step(params, fixed, x, y, mask)
+    for total in clipped.total:
+        assert np.all(np.isfinite(keras.ops.convert_to_numpy(total)))
+    assert int(clipped.num_nonfinite) == 1 and int(clipped.count) == 4
+    clean = mask.copy()
+    clean[3] = False
+    expected, _ = step(params, fixed, x, y, clean)
+    for got, want in zip(clipped.total, expected.total, strict=True):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(got), keras.ops.convert_to_numpy(want), rtol=1e-6
+        )
+
+
+def test_partly_frozen_layers_count_only_their_trainable_weights():
+    model = sequential((4,), layers.Dense(3, "tanh"), layers.Dense(2))
+    for layer in model.layers:
+        layer.kernel.trainable = False  # Biases alone (BitFit).
+    plan = check_norms_and_sum(model, images((4,)))
+    assert plan.methods == ("vectorized", "vectorized")

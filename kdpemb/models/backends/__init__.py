@@ -7,6 +7,7 @@ differ between backends live here, the way Keras splits its own trainers:
   `(params, *args) -> (value, grads)`, with `params` a list of tensors.
 - `output_gradients(run, params)`: the loss and its gradients with respect
   to the outputs of tapped layers (`kdpemb.models.layer_taps`).
+- `compiled(fn)`: `fn`, compiled where eager execution is slow (JAX).
 - `per_example_map(fn, *tensors)`: `fn` over the rows of `tensors`,
   vectorised (`vmap`, `vectorized_map`).
 - `replica_sum(x)`: the sum of `x` over the replicas of a

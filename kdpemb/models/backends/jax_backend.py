@@ -28,6 +28,11 @@ def output_gradients(run, params):
     return loss, aux, grads
 
 
+def compiled(fn):
+    """`fn` compiled (`jax.jit`): run eagerly, JAX compiles every op alone."""
+    return jax.jit(fn)
+
+
 def per_example_map(fn, *tensors):
     """`fn` applied to each row of `tensors` (their leading axis), vectorised."""
     return jax.vmap(fn)(*tensors)

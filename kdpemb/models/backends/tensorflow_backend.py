@@ -38,6 +38,12 @@ def output_gradients(run, params):
     return loss, aux, grads
 
 
+def compiled(fn):
+    """`fn` itself: TensorFlow runs eager ops fast, and a `tf.function`
+    would cost a trace for a computation done once."""
+    return fn
+
+
 def per_example_map(fn, *tensors):
     """`fn` applied to each row of `tensors` (their leading axis), vectorised
     by `tf.vectorized_map` (a loop where an op has no vectorised form)."""
