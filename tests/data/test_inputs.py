@@ -190,3 +190,22 @@ def test_telling_the_kind_of_data_imports_no_tensorflow():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-2:] == ["False", "True"]
+
+
+def test_fixed_size_sampling_draws_exactly_b_distinct_rows_padded_to_a_multiple():
+    from kdpemb.data.poisson_batches import PoissonIndices
+
+    batches = PoissonIndices(50, batch_size=12, steps=30, seed=0, sampling="fixed",
+                             multiple_of=5)  # fmt: skip
+    seen = np.zeros(50)
+    for step in range(30):
+        indices, mask = batches[step]
+        assert len(indices) == 15 and mask.sum() == 12  # 12 padded to 3 × 5.
+        chosen = indices[mask == 1]
+        assert len(set(chosen.tolist())) == 12
+        seen[chosen] += 1
+    assert seen.min() > 0  # Uniform over all rows, not a fixed subset.
+    poisson = PoissonIndices(1000, batch_size=50, steps=5, seed=0, multiple_of=64)
+    for step in range(5):
+        indices, mask = poisson[step]
+        assert len(indices) % 64 == 0 and len(indices) >= mask.sum()

@@ -229,3 +229,66 @@ def test_bad_input_is_refused_before_training():
     with pytest.raises(ValueError, match="exactly one"):
         DPModel(mlp(), noise_multiplier=1.0, target_epsilon=1.0, delta=1e-5)
     assert int(keras.ops.convert_to_numpy(model.private_steps)) == 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(physical_batch_size=4), dict(per_layer_clipping=True)],
+    ids=["physical_batches", "per_layer"],
+)
+def test_noise_std_stays_z_c_with_physical_batches_and_per_layer_clipping(settings):
+    z, c, n = 1.0, 0.3, 16
+    network = keras.Sequential(
+        [keras.Input((8,)), layers.Dense(16, kernel_initializer="zeros"),
+         layers.Dense(16, kernel_initializer="zeros")]
+    )  # fmt: skip
+    x = RNG.normal(size=(n, 8)).astype("float32")
+    model = DPModel(network, clip_norm=c, noise_multiplier=z, seed=5, **settings)
+    model.compile(keras.optimizers.SGD(1.0), "mse")
+    steps = StepWeights()
+    model.fit(x, np.zeros((n, 16), "float32"), batch_size=None, epochs=4,
+              callbacks=[steps], verbose=0)  # fmt: skip
+    # Zero weights: the second layer's gradient is 0 at the first step, the
+    # first layer's stays 0; so the first step moves by noise alone.
+    moves = steps.seen[0]
+    assert moves.std() * n == pytest.approx(z * c, rel=0.1)  # 416 draws.
+
+
+def test_a_nan_example_leaves_the_weights_finite():
+    x, y = data(n=16)
+    x[0, 0] = np.nan  # Also the padding rows' source.
+    model = dp(mlp(), clip_norm=0.1, noise_multiplier=0.5)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    for w in weights(model.network):
+        assert np.all(np.isfinite(w))
+
+
+def test_unfrozen_layers_are_planned_again_and_a_trainable_batchnorm_is_refused():
+    x, y = data()
+    network = mlp()
+    network.layers[0].trainable = False
+    model = dp(network, clip_norm=1e6)
+    model.fit(x, y, batch_size=None, epochs=1, verbose=0)
+    frozen = network.layers[0].get_weights()[0]
+    network.layers[0].trainable = True
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    model.fit(x, y, batch_size=None, epochs=1, verbose=0)
+    assert not np.allclose(network.layers[0].get_weights()[0], frozen)
+    assert model.gradient_plan.num_groups == 2
+
+    bn = keras.Sequential(
+        [keras.Input((3,)), layers.BatchNormalization(), layers.Dense(2)]
+    )
+    bn.layers[0].trainable = False
+    model = dp(bn)
+    bn.layers[0].trainable = True  # Unfrozen after construction.
+    with pytest.raises(UnsupportedLayerError):
+        model.fit(x, y[:, :2], batch_size=4, verbose=0)
+
+
+def test_mixed_precision_is_refused_with_the_fix():
+    network = keras.Sequential(
+        [keras.Input((3,)), layers.Dense(2, dtype="mixed_bfloat16")]
+    )
+    with pytest.raises(ValueError, match="mixed-precision"):
+        DPModel(network, noise_multiplier=1.0)
