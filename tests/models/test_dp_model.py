@@ -292,3 +292,39 @@ def test_mixed_precision_is_refused_with_the_fix():
     )
     with pytest.raises(ValueError, match="mixed-precision"):
         DPModel(network, noise_multiplier=1.0)
+
+
+class Scale(layers.Layer):
+    """A layer without a ghost norm."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[1:], initializer="ones")
+
+    def call(self, x):
+        return keras.ops.tanh(x * self.w)
+
+
+def test_fallback_and_ghost_paths_train_alike_with_lamb():
+    optimizer = "Lamb"  # SGD and Adam are used by the other tests.
+    x, y = data(n=16)
+    results = []
+    for method in ("auto", "vectorized"):
+        keras.utils.set_random_seed(1)
+        network = keras.Sequential(
+            [keras.Input((3,)), Scale(), layers.Dense(4, "relu"), layers.Dense(2)]
+        )
+        model = DPModel(network, clip_norm=0.05, noise_multiplier=0.0, seed=0,
+                        gradient_method=method)  # fmt: skip
+        model.compile(getattr(keras.optimizers, optimizer)(0.1), "mse")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        results.append((model.gradient_plan, weights(model.network)))
+    (plan, ghost), (whole_plan, whole) = results
+    assert plan.methods == ("vectorized", "ghost", "ghost")
+    assert whole_plan.mode == "whole_model"
+    for a, b in zip(ghost, whole, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    keras.utils.set_random_seed(1)
+    untrained = keras.Sequential(
+        [keras.Input((3,)), Scale(), layers.Dense(4, "relu"), layers.Dense(2)]
+    )
+    assert not np.allclose(ghost[1], weights(untrained)[1])  # It trained.
