@@ -171,14 +171,28 @@ def _self_check_problem(model, plan, loss_fn, sample_inputs, sample_targets):
     y = ops.convert_to_tensor(sample_targets)
     engine = ClippedGradients(model, plan, loss_fn, [1.0])
 
-    def both_norms(params, fixed, x, y):
-        whole = engine._per_example_gradients(backend, params, fixed, x, y)
-        by_layer = engine.per_example_norms(params, fixed, x, y)
-        return by_layer, gaussian_sum.global_norms(whole)
+    def reference_norm(params, fixed, x_i, y_i):
+        # One example at a time, by plain autodiff: an independent reference
+        # (and no vectorised map, which TensorFlow can crash on for some
+        # models).
+        def loss(values):
+            y_pred, _ = model.stateless_call(values, fixed, x_i, **_training(model))
+            return ops.sum(per_example_losses(loss_fn, y_i, y_pred))
 
-    by_layer, whole = backend.compiled(both_norms)(params, fixed, x, y)
+        grads = backend.value_and_grad(loss)(params)[1]
+        return gaussian_sum.global_norms([ops.expand_dims(g, 0) for g in grads])[0]
+
+    reference_norm = backend.compiled(reference_norm)
+    whole = np.array(
+        [
+            ops.convert_to_numpy(
+                reference_norm(params, fixed, x[i : i + 1], y[i : i + 1])
+            )
+            for i in range(int(ops.shape(x)[0]))
+        ]
+    )
+    by_layer = backend.compiled(engine.per_example_norms)(params, fixed, x, y)
     by_layer = ops.convert_to_numpy(by_layer)
-    whole = ops.convert_to_numpy(whole)
     if not np.allclose(by_layer, whole, rtol=1e-3, atol=1e-6 * (1 + whole.max())):
         return (
             "its per-layer norms differ from whole-model per-example gradients "
