@@ -47,7 +47,7 @@ def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
         ("datasets", "data.md"),
         ("metrics", "evaluation.md"),
         ("plots", "evaluation.md"),
-        ("models", ("fedemb.md", "last_layer.md")),
+        ("models", ("fedemb.md", "last_layer.md", "dp_sgd.md")),
         ("features", "last_layer.md"),
     ],
 )

@@ -24,7 +24,7 @@ Example:
 
 >>> import keras, numpy as np
 >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
->>> plan = plan_gradients(model, np.ones((2, 3), "float32"))
+>>> plan = plan_gradients(model, np.ones((3, 3), "float32"))
 >>> plan.mode, plan.methods
 ('layers', ('ghost',))
 """
