@@ -134,7 +134,7 @@ CASES = {
     ),
     # The contract's fits take 2 + 1 epochs of 3 steps: plan 9 steps.
     "dp_model_target_epsilon": lambda: dp_model_case(
-        target_epsilon=20.0, delta=1e-3, planned_steps=9, physical_batch_size=8
+        target_epsilon=20.0, delta=1e-3, planned_steps=9
     ),
     **{
         f"last_layer_{method}": (lambda m=method: last_layer_case(m))
