@@ -580,12 +580,16 @@ def _check_network(network):
 
 
 def _synthetic_like(array, zeros=False):
-    """Three rows of the shape and dtype of `array`'s rows: zeros for
-    integers (valid indices and labels), a fixed normal draw otherwise."""
+    """Three rows of the shape and dtype of `array`'s rows, drawn from a
+    fixed seed: 0s and 1s for integers (valid indices, pixel values and
+    labels), normal values otherwise; zeros with `zeros`."""
     shape, dtype = (3, *np.shape(array)[1:]), np.asarray(array[:1]).dtype
-    if zeros or not np.issubdtype(dtype, np.floating):
+    rng = np.random.default_rng(0)
+    if zeros:
         return np.zeros(shape, dtype)
-    return np.random.default_rng(0).normal(size=shape).astype(dtype)
+    if not np.issubdtype(dtype, np.floating):
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    return rng.normal(size=shape).astype(dtype)
 
 
 def _check_single_device():
