@@ -35,9 +35,9 @@ from kdpemb.models import DPModel, LastLayerDPClassifier, pretrain, small_cnn
 SIZES = {
     "full": dict(
         image_size=32, width=16, groups=4, embedding_dim=64, public_identities=500,
-        public_images=10, pretrain_epochs=5, classes=20, train_images=50,
+        public_images=10, pretrain_epochs=5, classes=20, train_images=200,
         test_images=20, batch_size=250, epochs=15, physical_batch_size=125,
-        head_lr=0.2, full_lr=2e-3,
+        head_lr=0.2, full_lr=5e-3,
     ),
     "quick": dict(
         image_size=16, width=4, groups=2, embedding_dim=8, public_identities=20,
@@ -54,6 +54,19 @@ def parse_args(argv=None):
     parser.add_argument("--epsilon", type=float, default=4.0)
     parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
     parser.add_argument("--clip-norm", type=float, default=1.0)
+    parser.add_argument(
+        "--train-images",
+        type=int,
+        default=None,
+        help="private training images per identity",
+    )
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument(
+        "--full-lr",
+        type=float,
+        default=None,
+        help="Adam learning rate of full fine-tuning",
+    )
     return parser.parse_args(argv)
 
 
@@ -116,7 +129,10 @@ def full_fine_tuning(backbone, train, test, size, args, delta):
 
 def main(argv=None):
     args = parse_args(argv)
-    size = SIZES["quick" if args.quick else "full"]
+    size = dict(SIZES["quick" if args.quick else "full"])
+    for name in ("train_images", "epochs", "full_lr"):
+        if getattr(args, name) is not None:
+            size[name] = getattr(args, name)
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"{'seed':>4}  {'method':<18} {'accuracy':>8}  {'ε':>6}  {'seconds':>7}")
     for seed in seeds:
