@@ -149,6 +149,36 @@ def _einsum_dense(layer, a, g):
     return norms
 
 
+def _patches(a, size, strides, dilation, padding):
+    """`a` `[B, H, W, C]` unfolded into the `[B, H', W', kh·kw·C]` windows
+    that a Conv2D's kernel multiplies, by strided slices of the padded
+    input. (`ops.image.extract_patches` convolves with a `[kh·kw·C]²`
+    identity kernel: kh·kw·C times the work of the layer itself.)"""
+    spatial = tuple(a.shape[1:3])
+    if None in spatial:
+        return ops.image.extract_patches(
+            a, size, strides=strides, dilation_rate=dilation, padding=padding,
+            data_format="channels_last",
+        )  # fmt: skip
+    if padding == "same":  # As TensorFlow and XLA pad: the extra one after.
+        pads = []
+        for n, k, s, d in zip(spatial, size, strides, dilation, strict=True):
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads.append([total // 2, total - total // 2])
+        a = ops.pad(a, [[0, 0], *pads, [0, 0]])
+        spatial = tuple(a.shape[1:3])
+    (kh, kw), (sh, sw), (dh, dw) = size, strides, dilation
+    out_h = (spatial[0] - (kh - 1) * dh - 1) // sh + 1
+    out_w = (spatial[1] - (kw - 1) * dw - 1) // sw + 1
+    windows = [
+        a[:, i * dh : i * dh + (out_h - 1) * sh + 1 : sh,
+          j * dw : j * dw + (out_w - 1) * sw + 1 : sw, :]
+        for i in range(kh)
+        for j in range(kw)
+    ]  # fmt: skip
+    return windows[0] if len(windows) == 1 else ops.concatenate(windows, axis=-1)
+
+
 def _conv(layer, a, g):
     a, g = _f32(a), _f32(g)
     if layer.data_format == "channels_first":
@@ -162,10 +192,7 @@ def _conv(layer, a, g):
             padding = "valid"
         a, g = ops.expand_dims(a, 1), ops.expand_dims(g, 1)
         size, strides, dilation = (1, *size), (1, *strides), (1, *dilation)
-    patches = ops.image.extract_patches(
-        a, size, strides=strides, dilation_rate=dilation, padding=padding,
-        data_format="channels_last",
-    )  # fmt: skip
+    patches = _patches(a, size, strides, dilation, padding)
     norms = outer_sum_squared_norms(patches, g)
     if layer.use_bias:
         norms = norms + _position_sum_squared_norms(g)
