@@ -10,15 +10,22 @@ For each model and physical batch size B, measured in the same run:
   is padded to a multiple of about two standard deviations of its size,
   on TensorFlow it is not padded but varies in size);
 - the ratio DP / non-private (goal: at most 2, on CPU and GPU);
-- peak memory of each: every (model, B, variant) runs in its own process
-  (`--one`), so the peak is its own. On CPU: the growth of the process's
-  maximum resident set size (`ru_maxrss`) from just before `fit` (model
-  built, data in memory) to its end. On a GPU: the device's peak bytes in
-  use (`memory_stats()` on JAX, `get_memory_info` on TensorFlow).
+- peak memory of each: every (model, B, variant) fits a few steps in its
+  own process (`--one`), so the peak is its own. On CPU: the growth of
+  the process's maximum resident set size (`ru_maxrss`) from just before
+  `fit` (model built, data in memory) to its end, compilation included.
+  On a GPU: the device's peak bytes in use (`memory_stats()` on JAX,
+  `get_memory_info` on TensorFlow).
 
-A step's time is the median interval between consecutive batch ends of
-one `fit` (`timing.StepClock`), after `warmup` steps (the first step
-traces and compiles). The data are random: only shapes matter here.
+Times (`--times`): one process per (model, B) holds every variant; after
+a warm-up fit each (tracing, compilation), they take turns, `repeats`
+fits of `steps + 1` steps each. A fit's step time is the median interval
+between consecutive batch ends (`timing.StepClock`); a variant's time is
+the median over its fits, and the ratio the median of each repeat's
+DP / non-private. Taking turns matters on a shared machine: there, the
+same step took 0.2 s or 0.4 s for minutes at a time as neighbours came
+and went, and only steps timed side by side compare. The data are
+random: only shapes matter here.
 
 Models, float32, 32×32×3 inputs, 10 classes:
 
@@ -44,7 +51,8 @@ reported in the issue that asked for this benchmark; printed beside ours.
     python -m benchmarks dp_sgd                    # everything, as a table
     python -m benchmarks.dp_sgd --batch-sizes 64,256 --models cnn
     python -m benchmarks.dp_sgd --quick --json     # smoke test, in-process
-    python -m benchmarks.dp_sgd --one cnn 64 dp-fixed   # one measurement
+    python -m benchmarks.dp_sgd --times cnn 64     # one (model, B), as JSON
+    python -m benchmarks.dp_sgd --one cnn 64 dp-fixed   # one peak memory
 """
 
 import argparse
@@ -56,7 +64,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -85,7 +92,8 @@ class Config:
     models: tuple = ("cnn", "vit")
     batch_sizes: tuple = (64, 256, 1024)
     poisson_batch_size: int = 256  # The Poisson row (when B is measured).
-    steps: int = 6  # Timed steps (intervals) after the warm-up.
+    steps: int = 4  # Timed steps (intervals) per fit.
+    repeats: int = 3  # Timed fits per variant, taking turns.
     warmup: int = 2
     image_size: int = 32
     cnn_widths: tuple = (32, 64, 128, 256)
@@ -104,6 +112,7 @@ QUICK = Config(
     batch_sizes=(8,),
     poisson_batch_size=8,
     steps=2,
+    repeats=1,
     warmup=1,
     image_size=16,
     cnn_widths=(4, 8, 8, 16),
@@ -176,7 +185,73 @@ def vit(config):
 MODELS = {"cnn": cnn, "vit": vit}
 
 
-# -- one measurement -------------------------------------------------------
+# -- measurements ----------------------------------------------------------
+
+
+def _data(config, batch_size, batches):
+    rng = np.random.default_rng(0)
+    size, rows = config.image_size, batch_size * batches
+    x = rng.standard_normal((rows, size, size, 3), dtype=np.float32)
+    return x, rng.integers(0, NUM_CLASSES, rows).astype("int32")
+
+
+def _model(config, model_name, variant, rows):
+    """The network, or DPModel on it, compiled; and the network."""
+    from kdpemb.models import DPModel
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
+    keras.utils.set_random_seed(0)
+    model = network = MODELS[model_name](config)
+    if variant != "non-private":
+        model = DPModel(
+            network,
+            clip_norm=config.clip_norm,
+            noise_multiplier=config.noise_multiplier,
+            delta=min(1e-5, 0.1 / rows),
+            sampling="fixed" if variant == "dp-fixed" else "poisson",
+        )
+    model.compile(
+        keras.optimizers.SGD(config.learning_rate),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model, network
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Ends a fit after `batches` steps (a warm-up on the timed data: a
+    DPModel's later fits must keep its number of examples)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 >= self.batches:
+            self.model.stop_training = True
+
+
+def measure_times(config, model_name, batch_size, variants):
+    """Seconds per step of each variant, `config.repeats` times.
+
+    All variants live in one process and take turns, a fit of
+    `config.steps + 1` steps each per repeat (after a warm-up fit of
+    `config.warmup + 1` steps), so that each repeat compares them under
+    the same load of a shared machine. Returns `{variant: [median step
+    seconds of each repeat]}`.
+    """
+    x, y = _data(config, batch_size, config.steps + 1)
+    models = {v: _model(config, model_name, v, len(x))[0] for v in variants}
+    for model in models.values():
+        stop = _StopAfter(config.warmup + 1)
+        model.fit(x, y, batch_size=batch_size, verbose=0, callbacks=[stop])
+    times = {v: [] for v in variants}
+    for _ in range(config.repeats):
+        for variant, model in models.items():
+            clock = StepClock()
+            model.fit(x, y, batch_size=batch_size, verbose=0, callbacks=[clock])
+            times[variant].append(clock.step_seconds())
+    return times
 
 
 def _max_rss_bytes():
@@ -197,48 +272,22 @@ def _device_peak_bytes():
     return tf.config.experimental.get_memory_info("GPU:0")["peak"]
 
 
-def measure(config, model_name, batch_size, variant):
-    """Seconds per step and peak memory of one fit; see the module."""
-    from kdpemb.models import DPModel
+def measure_memory(config, model_name, batch_size, variant):
+    """Peak memory of a fit of `config.warmup + 2` steps; see the module.
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
-    keras.utils.set_random_seed(0)
-    batches = config.warmup + config.steps + 1  # steps + warmup intervals.
-    rows = batch_size * batches
-    rng = np.random.default_rng(0)
-    size = config.image_size
-    x = rng.standard_normal((rows, size, size, 3), dtype=np.float32)
-    y = rng.integers(0, NUM_CLASSES, rows).astype("int32")
-    model = network = MODELS[model_name](config)
-    if variant != "non-private":
-        model = DPModel(
-            network,
-            clip_norm=config.clip_norm,
-            noise_multiplier=config.noise_multiplier,
-            delta=min(1e-5, 0.1 / rows),
-            sampling="fixed" if variant == "dp-fixed" else "poisson",
-        )
-    model.compile(
-        keras.optimizers.SGD(config.learning_rate),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    Run it in a fresh process (`--one`): the peak of a process is never
+    reset, so an earlier fit in the same process would hide this one's.
+    """
+    x, y = _data(config, batch_size, config.warmup + 2)
+    model, network = _model(config, model_name, variant, len(x))
     before = _max_rss_bytes()
-    clock = StepClock()
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[clock])
-    fit_seconds = time.perf_counter() - start
-    peak_rss = _max_rss_bytes() - before
-    timed = clock.intervals[config.warmup :]
+    model.fit(x, y, batch_size=batch_size, verbose=0)
     result = {
         "model": model_name,
         "batch_size": batch_size,
         "variant": variant,
-        "seconds_per_step": statistics.median(timed),
-        "steps_timed": len(timed),
-        "fit_seconds": fit_seconds,
         "parameters": int(sum(np.prod(v.shape) for v in network.trainable_variables)),
-        "rss_growth_bytes": peak_rss,
+        "rss_growth_bytes": _max_rss_bytes() - before,
         "device_peak_bytes": _device_peak_bytes(),
     }
     if variant != "non-private":
@@ -246,8 +295,8 @@ def measure(config, model_name, batch_size, variant):
     return result
 
 
-def _in_subprocess(config, model_name, batch_size, variant, timeout=3600):
-    """`measure` in a fresh Python process (its own peak memory)."""
+def _in_subprocess(config, arguments, timeout=3600):
+    """`python -m benchmarks.dp_sgd ARGUMENTS` in a fresh process; its JSON."""
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -255,16 +304,14 @@ def _in_subprocess(config, model_name, batch_size, variant, timeout=3600):
     )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     command = [
-        sys.executable, "-m", "benchmarks.dp_sgd", "--one", model_name,
-        str(batch_size), variant, "--config", json.dumps(dataclasses.asdict(config)),
+        sys.executable, "-m", "benchmarks.dp_sgd", *arguments,
+        "--config", json.dumps(dataclasses.asdict(config)),
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
     )
     if done.returncode != 0:
-        raise RuntimeError(
-            f"{model_name} B={batch_size} {variant} failed:\n{done.stderr[-3000:]}"
-        )
+        raise RuntimeError(f"{' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1])
 
@@ -272,14 +319,37 @@ def _in_subprocess(config, model_name, batch_size, variant, timeout=3600):
 # -- the whole benchmark ---------------------------------------------------
 
 
-def _measurements(config):
+def _variants(config, batch_size):
+    variants = ["non-private", "dp-fixed"]
+    if batch_size == config.poisson_batch_size:
+        variants.append("dp-poisson")
+    return variants
+
+
+def measure_all(config, progress=None):
+    """`(times, memory)`: `{(model, B): measure_times}` and `{(model, B,
+    variant): measure_memory}`, each in its own process if configured."""
+    times, memory = {}, {}
     for model_name in config.models:
         for b in config.batch_sizes:
-            variants = ["non-private", "dp-fixed"]
-            if b == config.poisson_batch_size:
-                variants.append("dp-poisson")
+            variants = _variants(config, b)
+            if config.subprocesses:
+                times[model_name, b] = _in_subprocess(
+                    config, ["--times", model_name, str(b)]
+                )
+            else:
+                times[model_name, b] = measure_times(config, model_name, b, variants)
+            if progress:
+                progress(model_name, b, times[model_name, b])
             for variant in variants:
-                yield model_name, b, variant
+                if config.subprocesses:
+                    record = _in_subprocess(
+                        config, ["--one", model_name, str(b), variant]
+                    )
+                else:
+                    record = measure_memory(config, model_name, b, variant)
+                memory[model_name, b, variant] = record
+    return times, memory
 
 
 def _peak_mib(record):
@@ -289,53 +359,45 @@ def _peak_mib(record):
     return value / 2**20
 
 
-def measure_all(config, progress=None):
-    """Every measurement of `config`, in its own process if configured."""
-    records = []
-    for model_name, b, variant in _measurements(config):
-        if config.subprocesses:
-            record = _in_subprocess(config, model_name, b, variant)
-        else:
-            record = measure(config, model_name, b, variant)
-        records.append(record)
-        if progress:
-            progress(record)
-    return records
-
-
-def summarize(config, records):
-    """Figures, ratios, rows and peers from `measure_all`'s records."""
+def summarize(config, times, memory):
+    """Figures, ratios, rows and peers from `measure_all`'s results."""
     device = "GPU" if gpu_available() else "CPU"
-    memory = "device peak" if device == "GPU" else (
-        "max RSS growth" if config.subprocesses else "max RSS growth, in-process"
-    )  # fmt: skip
-    by_key = {(r["model"], r["batch_size"], r["variant"]): r for r in records}
+    if device == "GPU":
+        kind = "device peak"
+    else:
+        kind = "max RSS growth" + ("" if config.subprocesses else ", in-process")
     figures, ratios, rows, plans = {}, {}, [], {}
-    for (model_name, b, variant), record in by_key.items():
-        if variant == "non-private":
-            continue
-        plans.setdefault(model_name, record["plan"])
-        base = by_key[(model_name, b, "non-private")]
+    for (model_name, b), runs in times.items():
+        base = runs["non-private"]
+        base_memory = _peak_mib(memory[model_name, b, "non-private"])
         label = f"{device}: {model_name} B={b}"
-        name = "DP fixed" if variant == "dp-fixed" else "DP Poisson"
-        figures[f"{label} non-private (s/step)"] = base["seconds_per_step"]
-        figures[f"{label} {name} (s/step)"] = record["seconds_per_step"]
-        figures[f"{label} non-private peak ({memory}, MiB)"] = _peak_mib(base)
-        figures[f"{label} {name} peak ({memory}, MiB)"] = _peak_mib(record)
-        ratio = record["seconds_per_step"] / base["seconds_per_step"]
-        ratios[f"{label} {name} / non-private time (goal <= {GOAL:g})"] = ratio
-        memory_ratio = None
-        if _peak_mib(base) > 0:
-            memory_ratio = _peak_mib(record) / _peak_mib(base)
-            ratios[f"{label} {name} / non-private peak memory"] = memory_ratio
-        rows.append({
-            "model": model_name, "batch_size": b, "sampling": variant[3:],
-            "non_private_s": base["seconds_per_step"],
-            "dp_s": record["seconds_per_step"], "ratio": ratio,
-            "non_private_peak_mib": _peak_mib(base), "dp_peak_mib": _peak_mib(record),
-            "memory_ratio": memory_ratio,
-            "peers": PEERS.get((device, b), {}) if model_name == "cnn" else {},
-        })  # fmt: skip
+        figures[f"{label} non-private (s/step)"] = statistics.median(base)
+        figures[f"{label} non-private peak ({kind}, MiB)"] = base_memory
+        for variant in runs:
+            if variant == "non-private":
+                continue
+            record = memory[model_name, b, variant]
+            plans.setdefault(model_name, record["plan"])
+            name = "DP fixed" if variant == "dp-fixed" else "DP Poisson"
+            seconds = statistics.median(runs[variant])
+            # Each repeat's DP / non-private, measured under the same load.
+            ratio = statistics.median(
+                d / n for d, n in zip(runs[variant], base, strict=True)
+            )
+            peak = _peak_mib(record)
+            figures[f"{label} {name} (s/step)"] = seconds
+            figures[f"{label} {name} peak ({kind}, MiB)"] = peak
+            ratios[f"{label} {name} / non-private time (goal <= {GOAL:g})"] = ratio
+            memory_ratio = peak / base_memory if base_memory > 0 else None
+            if memory_ratio is not None:
+                ratios[f"{label} {name} / non-private peak memory"] = memory_ratio
+            rows.append({
+                "model": model_name, "batch_size": b, "sampling": variant[3:],
+                "non_private_s": statistics.median(base), "dp_s": seconds,
+                "ratio": ratio, "non_private_peak_mib": base_memory,
+                "dp_peak_mib": peak, "memory_ratio": memory_ratio,
+                "peers": PEERS.get((device, b), {}) if model_name == "cnn" else {},
+            })  # fmt: skip
     for model_name, plan in plans.items():
         figures[f"{model_name} gradient plan"] = plan
     peers = {
@@ -350,7 +412,7 @@ def summarize(config, records):
         "plans": plans,
         "peers": peers,
         "device": device,
-        "memory": memory,
+        "memory": kind,
         "backend": keras.backend.backend(),
         "config": dataclasses.asdict(config),
     }
@@ -359,7 +421,7 @@ def summarize(config, records):
 def run(quick=False, config=None, progress=None):
     """All measurements of `config` (QUICK: in-process, tiny); see the module."""
     config = config or (QUICK if quick else Config())
-    return summarize(config, measure_all(config, progress))
+    return summarize(config, *measure_all(config, progress))
 
 
 # -- command line ----------------------------------------------------------
@@ -406,9 +468,14 @@ def main(argv=None):
     parser.add_argument("--batch-sizes", type=_ints, help="e.g. 64,256,1024")
     parser.add_argument("--models", help="e.g. cnn,vit")
     parser.add_argument("--steps", type=int, help="timed steps per measurement")
+    parser.add_argument("--repeats", type=int, help="timed fits per variant")
     parser.add_argument(
         "--one", nargs=3, metavar=("MODEL", "B", "VARIANT"),
-        help=f"one measurement as JSON (VARIANT: {', '.join(VARIANTS)})",
+        help=f"peak memory of one fit, as JSON (VARIANT: {', '.join(VARIANTS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--times", nargs=2, metavar=("MODEL", "B"),
+        help="seconds per step of every variant at B, as JSON",
     )  # fmt: skip
     parser.add_argument("--config", help=argparse.SUPPRESS)  # From the parent.
     args = parser.parse_args(argv)
@@ -425,19 +492,22 @@ def main(argv=None):
         overrides["models"] = tuple(args.models.split(","))
     if args.steps:
         overrides["steps"] = args.steps
+    if args.repeats:
+        overrides["repeats"] = args.repeats
     config = dataclasses.replace(config, **overrides)
     if args.one:
         model_name, b, variant = args.one
-        print(json.dumps(measure(config, model_name, int(b), variant)))
+        print(json.dumps(measure_memory(config, model_name, int(b), variant)))
+        return 0
+    if args.times:
+        model_name, b = args.times[0], int(args.times[1])
+        variants = _variants(config, b)
+        print(json.dumps(measure_times(config, model_name, b, variants)))
         return 0
 
-    def progress(record):
-        if not args.json:
-            print(
-                f"  {record['model']} B={record['batch_size']} {record['variant']}: "
-                f"{record['seconds_per_step']:.4f} s/step",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+    def progress(model_name, b, times):
+        seconds = ", ".join(f"{v} {statistics.median(t):.4f}" for v, t in times.items())
+        print(f"  {model_name} B={b}: {seconds} s/step", file=sys.stderr, flush=True)
 
     result = run(config=config, progress=progress)
     print(json.dumps(result, indent=2) if args.json else table(result))
