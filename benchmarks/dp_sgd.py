@@ -396,6 +396,7 @@ def summarize(config, times, memory):
                 "non_private_s": statistics.median(base), "dp_s": seconds,
                 "ratio": ratio, "non_private_peak_mib": base_memory,
                 "dp_peak_mib": peak, "memory_ratio": memory_ratio,
+                "non_private_runs": base, "dp_runs": runs[variant],
                 "peers": PEERS.get((device, b), {}) if model_name == "cnn" else {},
             })  # fmt: skip
     for model_name, plan in plans.items():
