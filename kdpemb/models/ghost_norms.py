@@ -293,14 +293,11 @@ def layer_gradient(call, cotangent, value_of, backend):
     variables, each weighted by the rows of `cotangent` (`factorᵢ · gᵢ`):
     one vector-Jacobian product of the layer alone."""
     own = layer_taps.own_trainable_variables(call.layer)
-    own_values = [value_of(v) for v in own]
 
-    def weighted(values):
-        output = replay(call.layer, values, call.inputs, call.kwargs, value_of)
-        return ops.sum(_f32(output) * ops.stop_gradient(cotangent))
+    def output_of(values):
+        return replay(call.layer, values, call.inputs, call.kwargs, value_of)
 
-    _, grads = backend.value_and_grad(weighted)(own_values)
-    return grads
+    return backend.vjp(output_of, [value_of(v) for v in own], cotangent)
 
 
 def vectorized_squared_norms(call, g, value_of, backend):
