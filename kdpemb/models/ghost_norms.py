@@ -157,17 +157,21 @@ def _einsum_dense(layer, a, g):
     return norms
 
 
-def _patches(a, size, strides, dilation, padding):
-    """`a` `[B, H, W, C]` unfolded into the `[B, H', W', kh·kw·C]` windows
-    that a Conv2D's kernel multiplies, by strided slices of the padded
-    input. (`ops.image.extract_patches` convolves with a `[kh·kw·C]²`
-    identity kernel: kh·kw·C times the work of the layer itself.)"""
+def _windows(a, size, strides, dilation, padding):
+    """The kh·kw shifted views `[B, H', W', C]` of `a` `[B, H, W, C]` that a
+    Conv2D's kernel rows and columns multiply, in the kernel's order:
+    together (concatenated along channels) the input unfolded into
+    patches. Strided slices of the padded input: `ops.image.extract_patches`
+    convolves with a `[kh·kw·C]²` identity kernel, kh·kw·C times the work
+    of the layer itself (left only for a dynamic spatial shape)."""
     spatial = tuple(a.shape[1:3])
     if None in spatial:
-        return ops.image.extract_patches(
-            a, size, strides=strides, dilation_rate=dilation, padding=padding,
-            data_format="channels_last",
-        )  # fmt: skip
+        return [
+            ops.image.extract_patches(
+                a, size, strides=strides, dilation_rate=dilation,
+                padding=padding, data_format="channels_last",
+            )
+        ]  # fmt: skip
     if padding == "same":  # As TensorFlow and XLA pad: the extra one after.
         pads = []
         for n, k, s, d in zip(spatial, size, strides, dilation, strict=True):
@@ -178,13 +182,32 @@ def _patches(a, size, strides, dilation, padding):
     (kh, kw), (sh, sw), (dh, dw) = size, strides, dilation
     out_h = (spatial[0] - (kh - 1) * dh - 1) // sh + 1
     out_w = (spatial[1] - (kw - 1) * dw - 1) // sw + 1
-    windows = [
+    return [
         a[:, i * dh : i * dh + (out_h - 1) * sh + 1 : sh,
           j * dw : j * dw + (out_w - 1) * sw + 1 : sw, :]
         for i in range(kh)
         for j in range(kw)
     ]  # fmt: skip
-    return windows[0] if len(windows) == 1 else ops.concatenate(windows, axis=-1)
+
+
+def _windowed_squared_norms(windows, g):
+    """`outer_sum_squared_norms` of the windows concatenated along their
+    last axis, without concatenating them: the per-example gradient is one
+    block per window (its squared norm the sum of theirs), and the Gram
+    matrix of the concatenation the sum of the windows' Gram matrices."""
+    positions = _static_positions(g)
+    g = _positions(_f32(g))
+    windows = [_positions(_f32(w)) for w in windows]
+    p, q = sum(w.shape[-1] for w in windows), g.shape[-1]
+    if positions is not None and positions * positions <= p * q:
+        gram_a = sum(ops.einsum("btp,bsp->bts", w, w) for w in windows)
+        gram_g = ops.einsum("btq,bsq->bts", g, g)
+        # A sum of squares, but round-off can take it just below 0.
+        return ops.maximum(ops.sum(gram_a * gram_g, axis=(1, 2)), 0.0)
+    return sum(
+        ops.sum(ops.square(ops.einsum("btp,btq->bpq", w, g)), axis=(1, 2))
+        for w in windows
+    )
 
 
 def _conv(layer, a, g):
@@ -200,8 +223,7 @@ def _conv(layer, a, g):
             padding = "valid"
         a, g = ops.expand_dims(a, 1), ops.expand_dims(g, 1)
         size, strides, dilation = (1, *size), (1, *strides), (1, *dilation)
-    patches = _patches(a, size, strides, dilation, padding)
-    norms = outer_sum_squared_norms(patches, g)
+    norms = _windowed_squared_norms(_windows(a, size, strides, dilation, padding), g)
     if layer.use_bias:
         norms = norms + _position_sum_squared_norms(g)
     return norms
@@ -281,14 +303,11 @@ def layer_gradient(call, cotangent, value_of, backend):
     variables, each weighted by the rows of `cotangent` (`factorᵢ · gᵢ`):
     one vector-Jacobian product of the layer alone."""
     own = layer_taps.own_trainable_variables(call.layer)
-    own_values = [value_of(v) for v in own]
 
-    def weighted(values):
-        output = replay(call.layer, values, call.inputs, call.kwargs, value_of)
-        return ops.sum(_f32(output) * ops.stop_gradient(cotangent))
+    def output_of(values):
+        return replay(call.layer, values, call.inputs, call.kwargs, value_of)
 
-    _, grads = backend.value_and_grad(weighted)(own_values)
-    return grads
+    return backend.vjp(output_of, [value_of(v) for v in own], cotangent)
 
 
 def vectorized_gradients(call, g, value_of, backend):

@@ -142,6 +142,16 @@ def test_conv2d_with_strides_padding_and_dilation(conv):
     check_norms_and_sum(model, images((7, 6, 2)), ["ghost"])
 
 
+def test_conv2d_gram_branch_few_positions_many_channels():
+    # (3, 2, 6) into a 3x3 Conv2D(8): T² = 36 <= 54 · 8, the Gram form (the
+    # windows' Gram matrices summed); then stride 2 and dilation-free valid.
+    model = sequential(
+        (3, 2, 6), layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.Conv2D(5, (2, 1), strides=(2, 1), padding="valid"), layers.Flatten(),
+    )  # fmt: skip
+    check_norms_and_sum(model, images((3, 2, 6)), ["ghost", "ghost"])
+
+
 @pytest.mark.parametrize("padding", ["same", "valid", "causal"])
 def test_conv1d_with_dilation_and_causal_padding(padding):
     model = sequential(

@@ -5,6 +5,8 @@ differ between backends live here, the way Keras splits its own trainers:
 
 - `value_and_grad(fn)`: `fn(params, *args) -> scalar` becomes
   `(params, *args) -> (value, grads)`, with `params` a list of tensors.
+- `vjp(fn, params, cotangent)`: the gradient of `Σ cotangent · fn(params)`
+  with respect to `params`, as one vector-Jacobian product.
 - `output_gradients(run, params)`: the loss and its gradients with respect
   to the outputs of tapped layers (`kdpemb.models.layer_taps`).
 - `compiled(fn)`: `fn`, compiled where eager execution is slow (JAX).

@@ -9,6 +9,13 @@ def value_and_grad(fn):
     return jax.value_and_grad(fn)
 
 
+def vjp(fn, params, cotangent):
+    """Gradients of `Σ cotangent · fn(params)` with respect to `params`."""
+    output, pullback = jax.vjp(fn, list(params))
+    (grads,) = pullback(cotangent.astype(output.dtype))
+    return grads
+
+
 def output_gradients(run, params):
     """`(loss, aux, grads)`: `run(params, probes) -> (loss, (outputs, aux))`
     adds `probes[i]` (zeros) to its i-th tapped layer output; the gradient

@@ -22,6 +22,22 @@ def value_and_grad(fn):
     return wrapped
 
 
+def vjp(fn, params, cotangent):
+    """Gradients of `Σ cotangent · fn(params)` with respect to `params`: the
+    tape's `output_gradients` (a sum of products would cost an extra pass
+    over the output when the batch dimension is unknown)."""
+    params = list(params)
+    with tf.GradientTape() as tape:
+        tape.watch(params)
+        output = fn(params)
+    grads = tape.gradient(
+        output, params, output_gradients=tf.cast(cotangent, output.dtype)
+    )
+    return [
+        tf.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
+    ]
+
+
 def output_gradients(run, params):
     """`(loss, aux, grads)`: `run(params, None) -> (loss, (outputs, aux))`;
     `grads[i]` is the gradient of the loss with respect to the i-th tapped
