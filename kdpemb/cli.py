@@ -95,8 +95,9 @@ def _add_schedule_arguments(parser):
     parser.add_argument(
         "--accountant",
         choices=ACCOUNTANTS,
-        default="pld",
-        help="pld (tight, default) or rdp (fast)",
+        default=None,
+        help="pld (tight) or rdp (fast); default: pld where it models the "
+        "schedule, else rdp (fixed-size sampling)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
@@ -256,7 +257,7 @@ def _deployment_from_args(args):
         deployment_clients=args.deployment_clients,
         delta=args.delta,
         clip_norm=args.clip_norm,
-        accountant=args.accountant,
+        accountant=args.accountant or "pld",
     )
 
 

@@ -159,7 +159,10 @@ USERS = ("--num-users", "100", "--clients-per-round", "30", "--users-per-client"
     [
         (epsilon_argv(delta="1e-3"), "1/population"),
         (epsilon_argv(steps="0"), "at least 1"),
-        (epsilon_argv("--sampling", "fixed"), "--accountant rdp"),
+        (
+            epsilon_argv("--sampling", "fixed", "--accountant", "pld"),
+            "--accountant rdp",
+        ),
         (epsilon_argv("--clients-per-round", "5"), "--clients-per-round is for user"),
         (epsilon_argv(noise="-1"), "noise_multiplier must be >= 0"),
         (
@@ -375,3 +378,16 @@ def test_the_installed_console_script_and_module_entry_point_work():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["steps"] == 10
+
+
+def test_fixed_size_sampling_is_accounted_with_rdp_by_default(capsys):
+    status, out = run_cli(capsys, *epsilon_argv("--sampling", "fixed", "--json"))
+    assert status == 0
+    data = json.loads(out)
+    assert data["accountant"] == "rdp"
+    assert data["neighboring_relation"] == "replace_one"
+    mechanism = privacy.Schedule.examples(60_000, 256, sampling="fixed")
+    expected = privacy.epsilon(
+        mechanism.privacy_mechanism(1.0), 9, 1e-5, accountant="rdp"
+    )
+    assert data["epsilon"] == pytest.approx(expected, rel=1e-9)

@@ -134,7 +134,8 @@ class PoissonIndices(keras.utils.PyDataset):
 
     def _padded_size(self, size):
         multiple, size = self.multiple_of, self._bucket(size)
-        return size if multiple == 1 else multiple * max(1, math.ceil(size / multiple))
+        # At least one row: an empty draw is one masked-out row.
+        return multiple * max(1, math.ceil(size / multiple))
 
     def _bucket(self, size):
         if (

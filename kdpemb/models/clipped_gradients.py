@@ -162,22 +162,34 @@ def _structure_problem(model, owners, sample_inputs):
 
 def _self_check_problem(model, plan, loss_fn, sample_inputs, sample_targets):
     """Why the by-layer plan cannot be trusted on this model ("" if it can):
-    its norms differ from whole-model per-example gradients, or one row's
-    input changes another row's output."""
+    its norms differ from per-example gradients of the whole model, or one
+    row's input changes another row's output.
+
+    Both are taken at the current weights plus a fixed perturbation (a
+    zero-initialised layer would otherwise hide the layers before it), on
+    the same batch and random-seed state, so that dropout and random
+    augmentation draw the same masks in both.
+    """
     backend = backends.current()
-    params = [v.value for v in model.trainable_variables]
+    rng = np.random.default_rng(0)
+    params = [
+        v.value + ops.cast(0.05 * rng.normal(size=v.shape), v.dtype)
+        for v in model.trainable_variables
+    ]
     fixed = [v.value for v in model.non_trainable_variables]
     x = ops.convert_to_tensor(sample_inputs)
     y = ops.convert_to_tensor(sample_targets)
+    rows = int(ops.shape(x)[0])
     engine = ClippedGradients(model, plan, loss_fn, [1.0])
 
-    def reference_norm(params, fixed, x_i, y_i):
-        # One example at a time, by plain autodiff: an independent reference
-        # (and no vectorised map, which TensorFlow can crash on for some
-        # models).
+    def reference_norm(params, fixed, x, y, row):
+        # Example `row`'s gradient by plain autodiff of its own loss in the
+        # batch: an independent reference (and no vectorised map, which
+        # TensorFlow can crash on for some models).
         def loss(values):
-            y_pred, _ = model.stateless_call(values, fixed, x_i, **_training(model))
-            return ops.sum(per_example_losses(loss_fn, y_i, y_pred))
+            y_pred, _ = model.stateless_call(values, fixed, x, **_training(model))
+            losses = per_example_losses(loss_fn, y, y_pred)
+            return ops.sum(ops.where(ops.arange(rows) == row, losses, 0.0))
 
         grads = backend.value_and_grad(loss)(params)[1]
         return gaussian_sum.global_norms([ops.expand_dims(g, 0) for g in grads])[0]
@@ -185,18 +197,17 @@ def _self_check_problem(model, plan, loss_fn, sample_inputs, sample_targets):
     reference_norm = backend.compiled(reference_norm)
     whole = np.array(
         [
-            ops.convert_to_numpy(
-                reference_norm(params, fixed, x[i : i + 1], y[i : i + 1])
-            )
-            for i in range(int(ops.shape(x)[0]))
+            ops.convert_to_numpy(reference_norm(params, fixed, x, y, row))
+            for row in range(rows)
         ]
     )
     by_layer = backend.compiled(engine.per_example_norms)(params, fixed, x, y)
     by_layer = ops.convert_to_numpy(by_layer)
     if not np.allclose(by_layer, whole, rtol=1e-3, atol=1e-6 * (1 + whole.max())):
         return (
-            "its per-layer norms differ from whole-model per-example gradients "
-            "(weights read outside the layer that owns them?)"
+            "its per-layer norms differ from per-example gradients of the "
+            "whole model (weights read outside the layer that owns them, or "
+            "examples that interact?)"
         )
     other = np.asarray(ops.convert_to_numpy(x)).copy()
     if np.issubdtype(other.dtype, np.floating):

@@ -410,7 +410,9 @@ class DPModel(FrozenSettings, keras.Model):
         """Plans how per-example norms are computed (once, and again when the
         trainable variables change), from synthetic inputs of the data's
         shapes: the plan does not depend on private values."""
-        signature = tuple(id(v) for v in self.network.trainable_variables)
+        signature = tuple(
+            (id(v), v.path, v.trainable) for v in self.network.trainable_variables
+        )
         if self.gradient_plan is not None and signature == self._plan_signature:
             return
         sample_x, sample_y = _synthetic_like(x), _synthetic_like(y, zeros=True)
@@ -491,6 +493,11 @@ class DPModel(FrozenSettings, keras.Model):
         size = x.shape[0]
         if physical is None or (size is not None and size <= physical):
             return engine(params, fixed, x, y, mask)
+        if size is not None and size % physical:
+            raise ValueError(  # Rows past the last whole chunk would be lost.
+                f"A batch of {size} rows does not split into physical batches "
+                f"of {physical}: feed DPModel through its own fit."
+            )
         chunks = ops.shape(x)[0] // physical
 
         def chunk(tensor, index):
@@ -568,11 +575,12 @@ def _check_network(network):
     mixed = [
         layer.name
         for layer in layers
-        if layer.dtype_policy.compute_dtype != layer.dtype_policy.variable_dtype
+        if layer.dtype_policy.compute_dtype != "float32"
+        or layer.dtype_policy.variable_dtype != "float32"
     ]
     if mixed:
         raise ValueError(
-            f"Layers {mixed[:5]} use a mixed-precision dtype policy; DPModel "
+            f"Layers {mixed[:5]} compute in another dtype than float32; DPModel "
             "computes per-example gradients in float32 only for now. Build the "
             "network under keras.config.set_dtype_policy('float32')."
         )

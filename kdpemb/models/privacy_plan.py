@@ -8,8 +8,9 @@ spends exactly the target over them. Both are saved with the model. Every
 is refused before any step, naming ε spent, the target and the steps
 left: more steps at the calibrated noise would spend more than the target.
 `PlanGuard` checks again once the fit's callbacks have begun (one may
-restore a checkpoint), and the model's step itself does nothing past the
-plan. A plan given to the constructor is checked against the target
+restore a checkpoint), and the model's step itself releases nothing
+computed from the data past the plan and counts no step (its update is
+zero; an optimizer's momentum may still move the weights). A plan given to the constructor is checked against the target
 (`check_plan`).
 
 Used by `FedEmbModel`; `LastLayerDPClassifier` keeps its own plan (its

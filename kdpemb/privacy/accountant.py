@@ -1,7 +1,7 @@
 """ε and δ of a mechanism run for some steps, computed with dp-accounting.
 
 Two methods:
-- "pld" (default): privacy loss distributions (Koskela et al.; Doroshenko
+- "pld": privacy loss distributions (Koskela et al.; Doroshenko
   et al.), tight up to a discretisation that is rounded pessimistically,
   so the ε reported is an upper bound. Where no step is sampled (full
   batch, `GaussianReleases`) the whole run is one Gaussian mechanism,

@@ -290,7 +290,7 @@ def test_mixed_precision_is_refused_with_the_fix():
     network = keras.Sequential(
         [keras.Input((3,)), layers.Dense(2, dtype="mixed_bfloat16")]
     )
-    with pytest.raises(ValueError, match="mixed-precision"):
+    with pytest.raises(ValueError, match="another dtype than float32"):
         DPModel(network, noise_multiplier=1.0)
 
 
@@ -328,3 +328,15 @@ def test_fallback_and_ghost_paths_train_alike_with_lamb():
         [keras.Input((3,)), Scale(), layers.Dense(4, "relu"), layers.Dense(2)]
     )
     assert not np.allclose(ghost[1], weights(untrained)[1])  # It trained.
+
+
+def test_dropout_keeps_the_ghost_path_and_zero_heads_do_not_hide_layers():
+    x, y = data(n=16)
+    network = keras.Sequential(
+        [keras.Input((3,)), layers.Dense(8, "relu"), layers.Dropout(0.5),
+         layers.Dense(2, kernel_initializer="zeros")]
+    )  # fmt: skip
+    model = dp(network, noise_multiplier=1.0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.gradient_plan.mode == "layers", model.gradient_plan.describe()
+    assert model.gradient_plan.methods == ("ghost", "ghost")
