@@ -351,22 +351,10 @@ def gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
     if noise_multiplier == 0.0:
         return [keras.ops.zeros_like(total) for total in clipped_sum.total]
     stddev = noise_multiplier * clipped_sum.clip_norm
-    ops = keras.ops
-    shapes = [tuple(total.shape) for total in clipped_sum.total]
-    if any(None in shape for shape in shapes):  # Dynamic shapes: one per tensor.
-        return [
-            keras.random.normal(ops.shape(total), stddev=stddev, seed=seed_generator)
-            for total in clipped_sum.total
-        ]
-    # One draw for all tensors, split into disjoint parts (independent
-    # coordinates all the same); a draw per tensor took JAX seconds to
-    # compile for a model of twenty tensors.
-    sizes = [int(np.prod(shape)) for shape in shapes]
-    flat = keras.random.normal((sum(sizes),), stddev=stddev, seed=seed_generator)
-    parts = (
-        ops.split(flat, np.cumsum(sizes)[:-1].tolist()) if len(sizes) > 1 else [flat]
-    )
-    return [ops.reshape(part, shape) for part, shape in zip(parts, shapes, strict=True)]
+    return [
+        keras.random.normal(keras.ops.shape(total), stddev=stddev, seed=seed_generator)
+        for total in clipped_sum.total
+    ]
 
 
 def add_gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
