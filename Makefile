@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_PATHS := kdpemb tests examples benchmarks
-PYTEST_ARGS ?= -n 2 --dist worksteal
+PYTEST_ARGS ?= -n 2
 
 .PHONY: demo test lint test-tensorflow test-jax bench docs clean
 

@@ -84,7 +84,10 @@ def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
     norms = keras.ops.convert_to_numpy(norms)
     brute = brute_force_gradients(model, x, y)
     expected = np.array([flat_norm(g) for g in brute])
-    np.testing.assert_allclose(norms, expected, rtol=2e-4, atol=atol)
+    # Gram-form norms add a bound on their float32 round-off: never below
+    # the true norm (a clip factor never too large), and close to it.
+    assert np.all(norms >= expected * (1 - 1e-5) - 1e-7), (norms, expected)
+    np.testing.assert_allclose(norms, expected, rtol=2e-3, atol=atol)
     # A clip norm below every norm: the sum of normalised gradients.
     clip = float(expected.min()) / 2
     _, engine = engine_for(model, x, mode, clip_norms=(clip,))
@@ -95,7 +98,7 @@ def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
             clip * g[k] / n for g, n, m in zip(brute, expected, mask, strict=True) if m
         )
         got = keras.ops.convert_to_numpy(clipped.total[k])
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5)
     assert int(clipped.count) == len(x) - 1
     return plan
 
