@@ -205,6 +205,15 @@ class Mechanism(abc.ABC):
     def describe_sampling(self):
         return self.sampling
 
+    def describe_noise(self):
+        """How the noise is drawn, in words."""
+        return "independent Gaussian noise each step"
+
+    def zcdp_rho(self, steps):
+        """zCDP ρ of `steps` steps where the mechanism has a closed form
+        (no sampling), else None."""
+        return None
+
     def parameters(self):
         """The mechanism's parameters as a JSON-friendly dict."""
         params = dataclasses.asdict(self)
@@ -491,24 +500,53 @@ class ZCDP(Mechanism):
     def step_event(self):
         return dpa.ZCDpEvent(self.rho, self.xi)
 
+    def zcdp_rho(self, steps):
+        return steps * self.rho if self.xi == 0 else None
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeAggregation(Mechanism):
-    """DP-FTRL: tree-aggregated noisy gradient sums, one pass per epoch.
+    """DP-FTRL: each unit in at most one step per epoch, tree-aggregated noise.
 
-    Each epoch visits every example in at most one step (no sampling);
-    prefix sums of clipped gradients are released through a binary tree
-    with Gaussian noise of multiplier `noise_multiplier` on every node.
-    The guarantee is for replacing one example by a zero record
-    (REPLACE_SPECIAL). Epochs compose; a partial last epoch is accounted as
-    a tree over the steps it took. Only the RDP accountant models this.
+    There is no sampling: an epoch is `steps_per_epoch` steps, and every
+    privacy unit contributes to at most one of them (a virtual client takes
+    part in at most one round). The clipped sums are released as noisy
+    prefix sums through a binary tree over the steps: every node of the tree
+    (the sum of a dyadic block of consecutive steps) gets its own noise
+    N(0, (z·C)²), and the tree restarts every `leaves_per_tree` steps.
+
+    Sensitivity, per tree. A unit's contribution sits in one leaf, and a
+    leaf of a tree over n steps lies in at most `depth(n) = floor(log2 n) + 1`
+    completed nodes (the nodes the online algorithm ever releases). Each of
+    those nodes moves by at most Δ: C when the unit's contribution is
+    replaced by a zero record (examples, or one user per virtual client),
+    2C when it is replaced by another vector of norm <= C (k > 1 users per
+    virtual client: removing one user changes the content of one client).
+    The release of the whole tree is then one Gaussian mechanism of L2
+    sensitivity Δ·sqrt(depth) and noise z·C per coordinate, so it is
+    ρ = depth·(Δ/C)²/(2z²)-zCDP (RDP ε(α) = αρ). Trees in which no unit
+    takes part twice compose by adding ρ; epochs compose by adding ρ. So
+
+        ρ = (Δ/C)² / (2 z²) · Σ_epochs max_trees depth(steps of the tree)
+
+    (within one epoch a unit is in one tree only, so an epoch costs the
+    depth of its deepest tree, which is dp-accounting's
+    `SingleEpochTreeAggregationDpEvent`). The RDP accountant composes
+    exactly those events, with the noise multiplier z·C/Δ.
+
+    Independent noise on the same schedule is the tree of one step
+    (`leaves_per_tree=1`): depth 1, one Gaussian per epoch.
 
     Args:
-        noise_multiplier: float. Noise std per tree node over the clip norm.
-        steps_per_epoch: int. Steps (leaves) per epoch.
-        population: int. Number of examples.
+        noise_multiplier: float. z: noise std per tree node over C.
+        steps_per_epoch: int. Steps per epoch, a public number.
+        population: int. Number of privacy units.
         unit: str. "example" or "user".
-        clip_norm: float or None. For the statement.
+        users_per_client: int. k, users per virtual client. Defaults to 1.
+        leaves_per_tree: int or None. Steps per tree before it restarts;
+            None (default) restarts at every epoch. At most
+            `steps_per_epoch`.
+        clip_norm: float or None. C, for the statement.
 
     References:
         Kairouz et al., "Practical and Private (Deep) Learning without
@@ -519,41 +557,142 @@ class TreeAggregation(Mechanism):
     steps_per_epoch: int
     population: int
     unit: str = "example"
+    users_per_client: int = 1
+    leaves_per_tree: int | None = None
     clip_norm: float | None = None
 
     def __post_init__(self):
         validation.check_noise_multiplier(self.noise_multiplier)
         validation.check_positive_int(self.steps_per_epoch, "steps_per_epoch")
         validation.check_positive_int(self.population, "population")
+        validation.check_positive_int(self.users_per_client, "users_per_client")
         validation.check_clip_norm(self.clip_norm)
         _check_unit(self.unit)
+        if self.users_per_client > 1 and self.unit != "user":
+            raise ValueError(
+                "users_per_client > 1 groups users into virtual clients; the "
+                f"unit must be 'user', got {self.unit!r}."
+            )
+        if self.leaves_per_tree is None:
+            object.__setattr__(self, "leaves_per_tree", self.steps_per_epoch)
+        leaves = validation.check_positive_int(self.leaves_per_tree, "leaves_per_tree")
+        if leaves > self.steps_per_epoch:
+            raise ValueError(
+                f"leaves_per_tree={leaves} is more than the {self.steps_per_epoch} "
+                "steps of an epoch: a tree spanning two epochs could hold one "
+                "unit twice, which this accounting does not cover. Restart "
+                f"the tree at least every epoch (leaves_per_tree <= "
+                f"{self.steps_per_epoch})."
+            )
 
+    # The RDP accountant models tree events only under replace-by-zero; a
+    # unit's placement never depends on other units, so adding or removing
+    # a unit is exactly that (see `describe_relation`).
     neighboring_relation = Relation.REPLACE_SPECIAL
-    sampling = "tree"
+
+    @property
+    def sampling(self):
+        return "tree" if self.leaves_per_tree > 1 else "epochs"
+
+    @property
+    def node_sensitivity(self):
+        """Δ/C: how far one unit moves a tree node, in clip norms."""
+        return 2.0 if self.users_per_client > 1 else 1.0
+
+    @property
+    def unit_noise_multiplier(self):
+        """z·C/Δ: the noise multiplier per unit of sensitivity."""
+        return self.noise_multiplier / self.node_sensitivity
+
+    def _epoch_trees(self, steps):
+        """Steps per tree in an epoch (or its first `steps` steps)."""
+        full, rest = divmod(steps, self.leaves_per_tree)
+        return [self.leaves_per_tree] * full + ([rest] if rest else [])
+
+    def _epochs(self, steps):
+        """`(full epochs, steps of a partial last epoch)`."""
+        steps = validation.check_steps(steps, minimum=0)
+        return divmod(steps, self.steps_per_epoch)
 
     def event(self, steps):
-        steps = validation.check_steps(steps, minimum=0)
-        full_epochs, remainder = divmod(steps, self.steps_per_epoch)
+        full_epochs, rest = self._epochs(steps)
+        z = self.unit_noise_multiplier
         events = []
         if full_epochs:
-            tree = dpa.SingleEpochTreeAggregationDpEvent(
-                self.noise_multiplier, self.steps_per_epoch
+            epoch = dpa.SingleEpochTreeAggregationDpEvent(
+                z, self._epoch_trees(self.steps_per_epoch)
             )
-            events.append(dpa.SelfComposedDpEvent(tree, full_epochs))
-        if remainder:
-            events.append(
-                dpa.SingleEpochTreeAggregationDpEvent(self.noise_multiplier, remainder)
-            )
+            events.append(dpa.SelfComposedDpEvent(epoch, full_epochs))
+        if rest:
+            events.append(dpa.SingleEpochTreeAggregationDpEvent(z, self._epoch_trees(rest)))
         return _compose(events)
+
+    def zcdp_rho(self, steps):
+        """ρ of `steps` steps, in closed form (zCDP; None without noise).
+
+        Example:
+
+        >>> m = tree_aggregation(4.0, steps_per_epoch=100, num_examples=6_400)
+        >>> m.zcdp_rho(250) == (2 * 7 + 6) / (2 * 4.0**2)  # depths 7, 7 and 6
+        True
+        """
+        full_epochs, rest = self._epochs(steps)
+        if self.noise_multiplier == 0:
+            return None if steps else 0.0
+        depth = full_epochs * tree_depth(min(self.leaves_per_tree, self.steps_per_epoch))
+        if rest:
+            depth += tree_depth(min(self.leaves_per_tree, rest))
+        return depth / (2 * self.unit_noise_multiplier**2)
 
     def with_noise_multiplier(self, noise_multiplier):
         return dataclasses.replace(self, noise_multiplier=noise_multiplier)
 
-    def describe_sampling(self):
-        return (
-            f"one pass per epoch of {self.steps_per_epoch} steps; each "
-            f"{self.unit} in at most one step per epoch; tree aggregation"
+    def steps_for_epochs(self, epochs):
+        """Steps in `epochs` epochs: ceil(epochs · steps_per_epoch)."""
+        epochs = validation.check_positive(epochs, "epochs")
+        exact = fractions.Fraction(epochs) * self.steps_per_epoch
+        return validation.check_steps(math.ceil(exact))
+
+    def describe_relation(self):
+        who = "all data of one user" if self.unit == "user" else "one example"
+        text = (
+            f"add or remove {who} (where a {self.unit} takes part never depends "
+            f"on other {self.unit}s, so that replaces their contribution by "
+            "zero)"
         )
+        if self.users_per_client > 1:
+            text += (
+                f"; with {self.users_per_client} users per virtual client that "
+                "changes one client's clipped update, by up to 2C"
+            )
+        return text
+
+    def describe_sampling(self):
+        what = "virtual client" if self.unit == "user" else self.unit
+        return (
+            f"no sampling: each {what} in at most one of the "
+            f"{self.steps_per_epoch} steps of an epoch"
+        )
+
+    def describe_noise(self):
+        if self.leaves_per_tree == 1:
+            return "independent Gaussian noise each step"
+        restart = (
+            "restarted every epoch"
+            if self.leaves_per_tree == self.steps_per_epoch
+            else f"restarted every {self.leaves_per_tree} steps"
+        )
+        return f"tree aggregation (DP-FTRL), {restart}"
+
+
+def tree_depth(steps):
+    """Completed tree nodes one leaf lies in: floor(log2 steps) + 1.
+
+    >>> [tree_depth(n) for n in (1, 2, 3, 4, 7, 8)]
+    [1, 2, 2, 3, 3, 4]
+    """
+    steps = validation.check_positive_int(steps, "steps")
+    return steps.bit_length()
 
 
 # Builders --------------------------------------------------------------------
@@ -716,20 +855,44 @@ def zcdp(
 
 
 def tree_aggregation(
-    noise_multiplier, steps_per_epoch, num_examples, *, clip_norm=None
+    noise_multiplier,
+    steps_per_epoch,
+    num_examples,
+    *,
+    unit="example",
+    users_per_client=1,
+    leaves_per_tree=None,
+    clip_norm=None,
 ):
-    """DP-FTRL with single-epoch tree aggregation (RDP accountant only).
+    """DP-FTRL: tree-aggregated noise, each unit in one step per epoch.
+
+    RDP accountant only (and `TreeAggregation.rho` for zCDP). For user-level
+    rounds over virtual clients, take the mechanism from
+    `Schedule.virtual_clients(..., sampling="epochs")` instead.
+
+    Args:
+        noise_multiplier: float. z, noise std per tree node over C.
+        steps_per_epoch: int. Steps per epoch.
+        num_examples: int. Number of privacy units (examples, or users).
+        unit: str. "example" (default) or "user".
+        users_per_client: int. k, users per virtual client. Defaults to 1.
+        leaves_per_tree: int or None. Steps before the tree restarts; None
+            (default) restarts every epoch; 1 is independent noise.
+        clip_norm: float or None. C, for the statement.
 
     Example:
 
     >>> m = tree_aggregation(10.0, steps_per_epoch=100, num_examples=6400)
     >>> two_epochs, partial_epoch = m.event(250).events
     >>> two_epochs.count, two_epochs.event.step_counts, partial_epoch.step_counts
-    (2, 100, 50)
+    (2, [100], [50])
     """
     return TreeAggregation(
         noise_multiplier=noise_multiplier,
         steps_per_epoch=steps_per_epoch,
         population=num_examples,
+        unit=unit,
+        users_per_client=users_per_client,
+        leaves_per_tree=leaves_per_tree,
         clip_norm=clip_norm,
     )

@@ -23,11 +23,13 @@ True
 """
 
 import dataclasses
+import math
 
 from kdpemb import _validation as validation
 from kdpemb.privacy import mechanisms
 
-SAMPLINGS = mechanisms.SAMPLINGS
+SAMPLINGS = (*mechanisms.SAMPLINGS, "epochs")
+NOISES = ("independent", "tree")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,11 @@ class Schedule:
             `"full_batch"`.
         sampling: str. "poisson" (each unit independently with probability
             `sample_size / pool_size`, the default), "fixed" (exactly
-            `sample_size` without replacement; RDP accountant only) or
-            "full_batch" (every unit in every step).
+            `sample_size` without replacement; RDP accountant only),
+            "full_batch" (every unit in every step) or "epochs" (no
+            sampling: epochs of `steps_per_epoch` steps, each unit in at
+            most one step of an epoch; for DP-FTRL's tree noise; RDP
+            accountant only).
         unit: str. "example" or "user".
         users_per_client: int. k, users per virtual client (1 for
             examples, or one user per client). Defaults to 1.
@@ -58,6 +63,9 @@ class Schedule:
             does).
         local_steps: int. Local batches per client per round (1 for
             DP-SGD). Defaults to 1.
+        steps_per_epoch: int or None. For `sampling="epochs"` only: the
+            public number of steps in an epoch (`sample_size` is then
+            `pool_size / steps_per_epoch` units per step on average).
     """
 
     population: int
@@ -67,10 +75,24 @@ class Schedule:
     users_per_client: int = 1
     num_clients: int | None = None
     local_steps: int = 1
+    steps_per_epoch: int | None = None
 
     def __post_init__(self):
         validation.check_positive_int(self.population, "population")
         validation.check_positive_int(self.local_steps, "local_steps")
+        if self.sampling == "epochs":
+            if self.steps_per_epoch is None:
+                raise ValueError(
+                    "sampling='epochs' needs steps_per_epoch, the public number "
+                    "of steps in which every unit takes part at most once."
+                )
+            validation.check_positive_int(self.steps_per_epoch, "steps_per_epoch")
+        elif self.steps_per_epoch is not None:
+            raise ValueError(
+                f"steps_per_epoch={self.steps_per_epoch} is for "
+                f"sampling='epochs' only; sampling={self.sampling!r} sets the "
+                "steps of an epoch from pool_size / sample_size."
+            )
         if self.num_clients is not None:
             validation.check_positive_int(self.num_clients, "num_clients")
             if self.users_per_client == 1 and self.num_clients != self.population:
@@ -115,8 +137,13 @@ class Schedule:
         num_clients=None,
         sampling="poisson",
         local_steps=1,
+        rounds_per_epoch=None,
     ):
         """User-level rounds: `clients_per_round` virtual clients of k users.
+
+        With `sampling="epochs"` (DP-FTRL) there is no sampling: an epoch
+        is `rounds_per_epoch` rounds (default ceil(P / clients_per_round))
+        and every virtual client takes part in exactly one of them.
 
         Example:
 
@@ -143,6 +170,8 @@ class Schedule:
         )
         if sampling == "full_batch" and clients_per_round is None:
             clients_per_round = pool
+        if sampling == "epochs" and clients_per_round is None and rounds_per_epoch:
+            clients_per_round = pool / rounds_per_epoch
         clients_per_round = validation.check_positive(
             clients_per_round, "clients_per_round"
         )
@@ -153,6 +182,24 @@ class Schedule:
                 f"users_per_client={users_per_client} make. Use at most {pool} "
                 "clients per round, or fewer users per client."
             )
+        steps_per_epoch = None
+        if sampling == "epochs":
+            steps_per_epoch = validation.check_positive_int(
+                rounds_per_epoch or math.ceil(pool / clients_per_round),
+                "rounds_per_epoch",
+            )
+            if steps_per_epoch > pool:
+                raise ValueError(
+                    f"rounds_per_epoch={steps_per_epoch} is more than the {pool} "
+                    "virtual clients: some rounds would always be empty. Use "
+                    f"at most {pool}."
+                )
+            clients_per_round = pool / steps_per_epoch
+        elif rounds_per_epoch is not None:
+            raise ValueError(
+                "rounds_per_epoch is for sampling='epochs' only (with sampling "
+                f"{sampling!r} an epoch is P / M rounds)."
+            )
         return cls(
             population=num_users,
             sample_size=clients_per_round,
@@ -161,6 +208,7 @@ class Schedule:
             users_per_client=users_per_client,
             num_clients=num_clients,
             local_steps=local_steps,
+            steps_per_epoch=steps_per_epoch,
         )
 
     # Derived values ----------------------------------------------------
@@ -193,7 +241,9 @@ class Schedule:
 
     # The one source of a mechanism ---------------------------------------
 
-    def privacy_mechanism(self, noise_multiplier, clip_norm=None, *, setup=()):
+    def privacy_mechanism(
+        self, noise_multiplier, clip_norm=None, *, setup=(), noise="independent"
+    ):
         """The `Mechanism` of one step with noise multiplier z and clip norm C.
 
         Args:
@@ -201,12 +251,39 @@ class Schedule:
             clip_norm: float or None. C, for the statement.
             setup: tuple of `GaussianRelease`. One-off releases before the
                 first step.
+            noise: str. "independent" (default): a fresh Gaussian each step;
+                "tree": DP-FTRL's tree aggregation, restarted every epoch
+                (needs `sampling="epochs"`).
 
         Example:
 
         >>> Schedule.examples(60_000, 256).privacy_mechanism(1.1).unit
         'example'
+        >>> epochs = Schedule.virtual_clients(1_000, 100, sampling="epochs")
+        >>> epochs.privacy_mechanism(1.0, noise="tree").describe_noise()
+        'tree aggregation (DP-FTRL), restarted every epoch'
         """
+        if noise not in NOISES:
+            raise ValueError(f"noise must be one of {NOISES}, got {noise!r}.")
+        if self.sampling == "epochs":
+            if setup:
+                raise ValueError("sampling='epochs' takes no one-off setup releases.")
+            return mechanisms.TreeAggregation(
+                noise_multiplier=noise_multiplier,
+                steps_per_epoch=self.steps_per_epoch,
+                population=self.population,
+                unit=self.unit,
+                users_per_client=self.users_per_client,
+                leaves_per_tree=None if noise == "tree" else 1,
+                clip_norm=clip_norm,
+            )
+        if noise == "tree":
+            raise ValueError(
+                f"noise='tree' (DP-FTRL) needs rounds without sampling, in which "
+                f"each unit takes part at most once per epoch; this schedule's "
+                f"sampling is {self.sampling!r}. Use sampling='epochs' (e.g. "
+                "VirtualClients(..., sampling='epochs')), or noise='independent'."
+            )
         return mechanisms.SampledGaussian(
             noise_multiplier=noise_multiplier,
             sampling=self.sampling,

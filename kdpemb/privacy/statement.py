@@ -44,6 +44,10 @@ class PrivacyStatement:
         clip_norm: float or None. The clip norm C.
         sampling_probability: float or None. q per step.
         population: int. Number of units (examples or users).
+        noise_description: str. How the noise is drawn ("independent
+            Gaussian noise each step", or DP-FTRL's tree aggregation).
+        rho: float or None. The zCDP ρ of the run where it has a closed
+            form (no sampling: tree aggregation), else None.
         mechanism: dict. The mechanism's parameters.
         kdpemb_version, dp_accounting_version: str. Software that computed it.
 
@@ -74,6 +78,8 @@ class PrivacyStatement:
     clip_norm: float | None
     sampling_probability: float | None
     population: int
+    noise_description: str = "independent Gaussian noise each step"
+    rho: float | None = None
     mechanism: dict = dataclasses.field(default_factory=dict, compare=False)
     kdpemb_version: str = __version__
     dp_accounting_version: str = dataclasses.field(
@@ -114,6 +120,8 @@ class PrivacyStatement:
             clip_norm=mechanism.clip_norm,
             sampling_probability=mechanism.sampling_probability,
             population=mechanism.population,
+            noise_description=mechanism.describe_noise(),
+            rho=mechanism.zcdp_rho(steps),
             mechanism=mechanism.parameters(),
         )
 
@@ -133,6 +141,8 @@ class PrivacyStatement:
             f"{self.steps} step{'' if self.steps == 1 else 's'}",
             f"sampling: {self.sampling_description}",
         ]
+        if self.rho is not None and self.is_private:
+            parts.insert(1, f"ρ = {self.rho:.4g} zCDP")
         if self.noise_multiplier is not None:
             parts.append(f"noise multiplier {self.noise_multiplier:.4g}")
         if self.clip_norm is not None:
@@ -185,12 +195,14 @@ class PrivacyStatement:
         return [
             ("ε (epsilon)", epsilon),
             ("δ (delta)", f"{self.delta:.3g}"),
+            *([("ρ (zCDP)", f"{self.rho:.4g}")] if self.rho is not None else []),
             ("unit of privacy", self.unit),
             (
                 "neighbouring relation",
                 f"{self.neighboring_relation}: {self.relation_description}",
             ),
             ("sampling", self.sampling_description),
+            ("noise", self.noise_description),
             ("sampling probability q", optional(self.sampling_probability, ".4g")),
             ("population", f"{self.population:,} {self.unit}s"),
             ("steps", f"{self.steps:,}"),
