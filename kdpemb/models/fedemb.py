@@ -32,7 +32,9 @@ from kdpemb.privacy import (
     gaussian_sum,
     protocol,
     quantile_clip,
+    tree_noise,
 )
+from kdpemb.privacy.schedule import NOISES
 
 AGGREGATIONS = ("partial", "full")
 _FROZEN_SETTINGS = frozenset(
@@ -59,6 +61,8 @@ _FROZEN_SETTINGS = frozenset(
         "planned_steps",
         "calibrated_noise_multiplier",
         "adaptive_clipping",
+        "noise",
+        "tree_estimator",
     }
 )
 HEAD_INITS = ("zeros", "random")
@@ -255,6 +259,24 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             accounted as one Gaussian of multiplier
             z_eff = (z⁻² + (2σ_b)⁻²)^(-1/2) < z (`privacy_mechanism()`);
             with `target_epsilon` it is z_eff that is calibrated.
+        noise: "independent" (default): fresh N(0, (zC)²) every round; or
+            "tree": DP-FTRL (Kairouz et al. 2021). Rounds need a schedule
+            without sampling (`VirtualClients(..., sampling="epochs")`:
+            every user in at most one round per epoch), and the noise is
+            correlated across rounds through a binary tree over each
+            epoch's rounds (restarted every epoch): round j adds the
+            difference of the tree's noisy prefix sums, so after j rounds
+            the model has moved by a noisy prefix sum whose noise is the
+            sum of about log2(j) node draws. The open nodes' noise is model
+            state (`tree_open_noise`, levels × the model's size), saved and
+            restored with the model: a saved `FedEmbModel` holds noise that
+            later rounds subtract, so keep it as private as the data
+            (export `model.backbone`). Accounting:
+            `kdpemb.privacy.TreeAggregation` (RDP and zCDP ρ).
+        tree_estimator: "standard" (default) or "efficient": Honaker's
+            estimator, which combines every released tree node for a
+            lower-variance prefix sum at no privacy cost (it draws log2(R)
+            noise tensors per round instead of one). `noise="tree"` only.
 
     Example:
 
@@ -302,9 +324,32 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         planned_steps=None,
         calibrated_noise_multiplier=None,
         adaptive_clipping=None,
+        noise="independent",
+        tree_estimator="standard",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if noise not in NOISES:
+            raise ValueError(f"noise must be one of {NOISES}, got {noise!r}.")
+        if tree_estimator not in tree_noise.ESTIMATORS:
+            raise ValueError(
+                f"tree_estimator must be one of {tree_noise.ESTIMATORS}, got "
+                f"{tree_estimator!r}."
+            )
+        if noise != "tree" and tree_estimator != "standard":
+            raise ValueError(
+                f"tree_estimator={tree_estimator!r} is for noise='tree' only."
+            )
+        if noise == "tree" and adaptive_clipping is not None:
+            raise ValueError(
+                "noise='tree' adds to each round the noise of tree nodes drawn "
+                "in earlier rounds at their clip norm; adaptive clipping changes "
+                "C every round, so the nodes would not share one scale. Use a "
+                "fixed clip_norm with noise='tree'."
+            )
+        self.noise = noise
+        self.tree_estimator = tree_estimator
+        self.tree_open_noise = None
         if aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}."
@@ -423,6 +468,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.noise_seed, self.head_seed = generators[:2]
         if self.adaptive_clipping is not None:
             self.count_seed = generators[2]
+        if self._schedule is not None:
+            self._build_tree_state()
         self.built = True
         self._freeze_settings()
 
@@ -484,7 +531,35 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             )
         if self.delta is not None:
             validation.check_delta(self.delta, schedule.population, schedule.unit)
+        # Checks that noise and sampling go together.
+        schedule.privacy_mechanism(0.0, noise=self.noise)
         self._schedule = schedule
+        if hasattr(self, "private_steps"):  # Built: else __init__ builds it.
+            self._build_tree_state()
+
+    def _noised_variables(self):
+        """The variables whose update is clipped, noised and applied."""
+        variables = list(self.backbone.trainable_variables)
+        if self.aggregation == "full":
+            variables.append(self.head)
+        return variables
+
+    def _build_tree_state(self):
+        """With `noise="tree"`: the open tree nodes' noise, one
+        `[levels, *shape]` variable per noised variable (zeros: none open)."""
+        if self.noise != "tree" or self.tree_open_noise is not None:
+            return
+        levels = tree_noise.tree_levels(self._schedule.steps_per_epoch)
+        self.tree_open_noise = [
+            self.add_weight(
+                shape=(levels, *variable.shape),
+                initializer="zeros",
+                trainable=False,
+                aggregation="only_first_replica",
+                name=f"tree_open_noise_{index}",
+            )
+            for index, variable in enumerate(self._noised_variables())
+        ]
 
     # -------------------------------------------------------- privacy --
 
@@ -498,7 +573,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 "the model first."
             )
         if self.adaptive_clipping is None:
-            return schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
+            return schedule.privacy_mechanism(
+                self.noise_multiplier, self.clip_norm, noise=self.noise
+            )
         # The update sum and the count are one Gaussian of multiplier z_eff;
         # C changes every round, so the statement names none.
         return schedule.privacy_mechanism(
@@ -639,6 +716,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             _check_rows_split(rows)
             self._head_columns = None
         arguments = privacy_plan.fit_arguments(args, kwargs)
+        self._check_epoch_alignment(arguments)
         verbose = privacy_plan.is_verbose(arguments)
         if self.target_epsilon is not None:
 
@@ -680,6 +758,35 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             )
         return super().fit(x, *args, **kwargs)
 
+    def _check_epoch_alignment(self, arguments):
+        """Rounds without sampling (`sampling="epochs"`) are accounted per
+        epoch of the schedule's R rounds, counted from the model's first
+        round: every fit must start at an epoch boundary and run whole
+        epochs of R rounds, or a user could take part twice in what the
+        accounting counts as one epoch (one tree)."""
+        schedule = self._schedule
+        if schedule is None or schedule.sampling != "epochs":
+            return
+        rounds = schedule.steps_per_epoch
+        taken = protocol.read_private_steps(self)
+        if taken % rounds:
+            raise ValueError(
+                f"This model has taken {taken} rounds, which is not a whole "
+                f"number of epochs of {rounds} rounds (sampling='epochs'): the "
+                "last epoch was cut short. A new fit starts a new epoch of the "
+                "data, in which its users take part again, while the "
+                "accounting (and the tree noise) would count those rounds in "
+                "the unfinished epoch. Resume from a checkpoint saved at the "
+                "end of an epoch (ModelCheckpoint's default save_freq='epoch')."
+            )
+        steps_per_epoch = arguments.get("steps_per_epoch")
+        if steps_per_epoch is not None and steps_per_epoch != rounds:
+            raise ValueError(
+                f"steps_per_epoch={steps_per_epoch}: with sampling='epochs' an "
+                f"epoch is the schedule's {rounds} rounds (each user at most "
+                "once). Leave steps_per_epoch None."
+            )
+
     def _plan_budget(self, steps, verbose):
         """With a `target_epsilon`: calibrates the noise at the first fit (over
         `planned_steps`, or this fit's `steps`), then refuses a fit of
@@ -713,7 +820,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         planned = self.planned_steps or steps
         schedule = self._known_schedule()
         z_eff = privacy_plan.calibrate(
-            schedule.privacy_mechanism(1.0),
+            schedule.privacy_mechanism(1.0, noise=self.noise),
             planned,
             self.target_epsilon,
             self.delta,
@@ -735,7 +842,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         if steps > planned:
             # Refused before the plan is fixed: a later fit plans afresh.
             after = privacy.epsilon(
-                schedule.privacy_mechanism(z_eff), steps, self.delta
+                schedule.privacy_mechanism(z_eff, noise=self.noise), steps, self.delta
             )
             raise PrivacyBudgetExhaustedError(
                 f"This fit's {steps} rounds are more than the planned_steps="
@@ -892,11 +999,14 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         )
 
         clipped = result.clipped
-        noise = gaussian_sum.gaussian_noise(
-            clipped, self.noise_multiplier, self.noise_seed
-        )
-        share = plumbing.noise_share()
         within_plan = self._within_plan()
+        if self.noise == "tree":
+            noise = self._tree_round_noise(clipped, within_plan)
+        else:
+            noise = gaussian_sum.gaussian_noise(
+                clipped, self.noise_multiplier, self.noise_seed
+            )
+        share = plumbing.noise_share()
         if adaptive:
             clients = schedule.sample_size
             count_noise = quantile_clip.count_noise(
@@ -922,9 +1032,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             mean_update = [
                 ops.where(within_plan, u, ops.zeros_like(u)) for u in mean_update
             ]
-        variables = list(self.backbone.trainable_variables)
-        if self.aggregation == "full":
-            variables.append(self.head)
+        variables = self._noised_variables()
         # The server optimizer descends the gradient -Δ (Keras sums the
         # replicas' gradients, so each passes its share).
         self.optimizer.apply([-u for u in mean_update], variables)
@@ -950,6 +1058,28 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                         within_plan, logs[name], ops.zeros_like(logs[name])
                     )
         return logs
+
+    def _tree_round_noise(self, clipped, within_plan):
+        """This round's tree noise; moves the tree's state (unless the round
+        is past the plan: then nothing moves)."""
+        steps_per_tree = self._known_schedule().steps_per_epoch
+        round_in_tree = self.private_steps.value % steps_per_tree + 1
+        state = [v.value for v in self.tree_open_noise]
+        noise, new_state = tree_noise.tree_noise(
+            clipped,
+            self.noise_multiplier,
+            self.noise_seed,
+            state,
+            round_in_tree,
+            efficient=self.tree_estimator == "efficient",
+        )
+        for variable, old, new in zip(
+            self.tree_open_noise, state, new_state, strict=True
+        ):
+            variable.assign(
+                new if within_plan is None else ops.where(within_plan, new, old)
+            )
+        return noise
 
     def _within_plan(self):
         """With a `target_epsilon`: whether this round is within the plan (a
@@ -1014,6 +1144,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 if self.adaptive_clipping is None
                 else self.adaptive_clipping.get_config()
             ),
+            "noise": self.noise,
+            "tree_estimator": self.tree_estimator,
         }
 
     @classmethod
@@ -1166,8 +1298,10 @@ def _output_dim(backbone):
 
 
 def _check_round(data, local_steps):
-    if isinstance(data, tuple) and len(data) == 1:
-        data = data[0]  # `(round,)`, as a Python generator must yield it.
+    if isinstance(data, tuple) and data and all(d is None for d in data[1:]):
+        # `(round,)`, as a Python generator must yield it, or `(round, None,
+        # None)` from `train_on_batch`.
+        data = data[0]
     if not isinstance(data, dict) or "client_mask" not in data:
         raise ValueError(
             "FedEmbModel trains on rounds of kdpemb.data.VirtualClients (dicts "

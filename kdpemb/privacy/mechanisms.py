@@ -624,7 +624,9 @@ class TreeAggregation(Mechanism):
             )
             events.append(dpa.SelfComposedDpEvent(epoch, full_epochs))
         if rest:
-            events.append(dpa.SingleEpochTreeAggregationDpEvent(z, self._epoch_trees(rest)))
+            events.append(
+                dpa.SingleEpochTreeAggregationDpEvent(z, self._epoch_trees(rest))
+            )
         return _compose(events)
 
     def zcdp_rho(self, steps):
@@ -639,7 +641,9 @@ class TreeAggregation(Mechanism):
         full_epochs, rest = self._epochs(steps)
         if self.noise_multiplier == 0:
             return None if steps else 0.0
-        depth = full_epochs * tree_depth(min(self.leaves_per_tree, self.steps_per_epoch))
+        depth = full_epochs * tree_depth(
+            min(self.leaves_per_tree, self.steps_per_epoch)
+        )
         if rest:
             depth += tree_depth(min(self.leaves_per_tree, rest))
         return depth / (2 * self.unit_noise_multiplier**2)

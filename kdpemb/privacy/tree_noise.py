@@ -80,15 +80,16 @@ def efficient_variances(levels):
 def initial_open_noise(clipped_sum, levels):
     """Zeros `[levels, *shape]` for each tensor of the sum: no node open."""
     return [
-        ops.zeros((levels, *ops.shape(total)), "float32")
-        for total in clipped_sum.total
+        ops.zeros((levels, *ops.shape(total)), "float32") for total in clipped_sum.total
     ]
 
 
 def _trailing_zeros(round_in_tree, levels):
     """ℓ*: the level of the node that completes at round j (j >= 1)."""
     j = ops.cast(round_in_tree, "int32")
-    divisible = [ops.cast(ops.equal(j % (2**lvl), 0), "int32") for lvl in range(1, levels)]
+    divisible = [
+        ops.cast(ops.equal(j % (2**lvl), 0), "int32") for lvl in range(1, levels)
+    ]
     return sum(divisible, ops.zeros((), "int32"))
 
 

@@ -1,0 +1,217 @@
+"""FedEmbModel(noise="tree"): DP-FTRL rounds, their state and accounting.
+
+Rounds come from hand-built round dicts (`fedemb_reference`). A round
+with no sampled client has a zero clipped sum, so with the server
+optimizer SGD(1.0) the backbone moves by exactly the round's noise over
+M: the kernel's displacement is the tree's noisy prefix sum.
+"""
+
+import math
+import warnings
+
+import dp_accounting as dpa
+import keras
+import numpy as np
+import pytest
+
+from kdpemb import privacy
+from kdpemb.errors import PrivacyBudgetExhaustedError
+from kdpemb.models import FedEmbModel
+from kdpemb.privacy import AdaptiveClipping, Schedule, protocol
+from tests.models import fedemb_reference as ref
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning"),
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleSamplingWarning"),
+]
+
+ROUNDS_PER_EPOCH = 4
+DELTA = 1e-3
+
+
+def epochs_schedule(rounds_per_epoch=ROUNDS_PER_EPOCH, users_per_client=2):
+    return Schedule.virtual_clients(
+        20,
+        None,
+        users_per_client=users_per_client,
+        num_clients=10 if users_per_client > 1 else None,
+        local_steps=3,
+        sampling="epochs",
+        rounds_per_epoch=rounds_per_epoch,
+    )
+
+
+def tree_model(noise_multiplier=1.0, clip_norm=1.0, momentum=0.0, **overrides):
+    settings = {
+        "client_optimizer": 0.2,
+        "head_lr_scale": 5.0,
+        "clip_norm": clip_norm,
+        "noise_multiplier": noise_multiplier,
+        "schedule": epochs_schedule(),
+        "noise": "tree",
+        "seed": 0,
+        "delta": DELTA,
+        **overrides,
+    }
+    model = FedEmbModel(ref.linear_backbone(seed=1), **settings)
+    model.compile(optimizer=keras.optimizers.SGD(1.0, momentum=momentum))
+    return model
+
+
+def empty_round(seed=0):
+    return ref.make_round(seed, classes=(), steps=3)
+
+
+def data_rounds(count):
+    return [ref.make_round(seed, classes=(3, 2), steps=3) for seed in range(count)]
+
+
+def open_noise(model):
+    return keras.ops.convert_to_numpy(model.tree_open_noise[0]).astype(np.float64)
+
+
+def test_the_model_moves_by_the_noisy_prefix_sum_and_restarts_every_epoch():
+    model = tree_model()
+    sample_size = model.schedule.sample_size  # M = P / R = 2.5.
+    previous = ref.kernel_of(model.backbone).astype(np.float64)
+    for round_index in range(ROUNDS_PER_EPOCH + 3):
+        model.train_on_batch(empty_round(round_index))
+        j = round_index % ROUNDS_PER_EPOCH + 1  # Position in the tree.
+        if j == 1:
+            epoch_start = previous
+        moved = (ref.kernel_of(model.backbone) - epoch_start) * sample_size
+        # The prefix noise of this epoch's tree is the sum of its open nodes:
+        # one per set bit of j (levels 0, 1, 2 for R = 4).
+        nodes = open_noise(model)
+        expected = sum(nodes[level] for level in range(3) if j >> level & 1)
+        np.testing.assert_allclose(moved, expected, atol=1e-4)
+        previous = ref.kernel_of(model.backbone).astype(np.float64)
+
+
+def test_zero_noise_tree_rounds_equal_independent_noise_rounds():
+    rounds = data_rounds(5)
+    models = [
+        tree_model(noise_multiplier=0.0, clip_norm=0.05, momentum=0.9, noise=noise)
+        for noise in ("tree", "independent")
+    ]
+    for model in models:
+        for data in rounds:
+            model.train_on_batch(data)
+    tree, independent = (ref.kernel_of(m.backbone) for m in models)
+    assert not np.allclose(tree, ref.kernel_of(ref.linear_backbone(seed=1)))
+    np.testing.assert_allclose(tree, independent, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["standard", "efficient"])
+def test_a_resumed_model_adds_the_noise_of_an_uninterrupted_run(tmp_path, estimator):
+    # Seeded (tests only): 3 rounds, save, load, 2 more rounds, mid-tree,
+    # against 5 rounds in one go. The open nodes drawn before the save are
+    # subtracted after it, so they must come back exactly.
+    rounds = data_rounds(5)
+    settings = {"schedule": epochs_schedule(8), "tree_estimator": estimator}
+    uninterrupted = tree_model(**settings)
+    for data in rounds:
+        uninterrupted.train_on_batch(data)
+
+    first = tree_model(**settings)
+    for data in rounds[:3]:
+        first.train_on_batch(data)
+    path = tmp_path / "model.keras"
+    first.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        resumed = keras.saving.load_model(path)
+    assert resumed.noise == "tree" and resumed.tree_estimator == estimator
+    np.testing.assert_array_equal(open_noise(resumed), open_noise(first))
+    # A loaded model draws its new nodes from fresh OS entropy (the seed is
+    # never saved). To compare noise, give it the generator state the
+    # uninterrupted run had at round 3: then only the restored open nodes
+    # can make the two runs differ.
+    resumed.noise_seed.state.assign(first.noise_seed.state)
+    for data in rounds[3:]:
+        resumed.train_on_batch(data)
+
+    assert protocol.read_private_steps(resumed) == 5
+    np.testing.assert_allclose(
+        ref.kernel_of(resumed.backbone),
+        ref.kernel_of(uninterrupted.backbone),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        open_noise(resumed), open_noise(uninterrupted), atol=1e-6
+    )
+
+
+def test_the_statement_names_the_tree_and_states_rho_and_rdp_epsilon():
+    model = tree_model(noise_multiplier=3.0)
+    for data in [empty_round(i) for i in range(ROUNDS_PER_EPOCH + 2)]:
+        model.train_on_batch(data)
+    statement = model.privacy_statement()
+    assert statement.accountant == "rdp" and statement.unit == "user"
+    assert "tree aggregation" in statement.noise_description
+    assert "at most one" in statement.sampling_description
+    # k = 2 users per client: one user moves one leaf by up to 2C, so every
+    # node above it by 2C; depth(4) = 3 nodes in the full epoch, depth(2) =
+    # 2 in the partial one.
+    assert statement.rho == pytest.approx((3 + 2) * 2.0**2 / (2 * 3.0**2))
+    accountant = dpa.rdp.RdpAccountant(
+        neighboring_relation=dpa.NeighboringRelation.REPLACE_SPECIAL
+    )
+    accountant.compose(dpa.SingleEpochTreeAggregationDpEvent(1.5, [4]))
+    accountant.compose(dpa.SingleEpochTreeAggregationDpEvent(1.5, [2]))
+    assert statement.epsilon == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-9)
+    assert f"ρ = {statement.rho:.4g} zCDP" in statement.summary()
+
+
+def test_target_epsilon_calibrates_the_tree_noise():
+    model = tree_model(noise_multiplier=None, target_epsilon=8.0)
+    model.fit(ref.Rounds([empty_round(i) for i in range(4)]), epochs=2, verbose=0)
+    z = model.noise_multiplier
+    assert model.planned_steps == 8
+    spent = privacy.epsilon(model.privacy_mechanism(), 8, DELTA)
+    assert spent <= 8.0 and spent == pytest.approx(8.0, rel=1e-2)
+    # Direct: two epochs of a 4-round tree at z/2 (k = 2).
+    accountant = dpa.rdp.RdpAccountant(
+        neighboring_relation=dpa.NeighboringRelation.REPLACE_SPECIAL
+    )
+    accountant.compose(dpa.SingleEpochTreeAggregationDpEvent(z / 2, [4]), 2)
+    assert accountant.get_epsilon(DELTA) == pytest.approx(spent, rel=1e-9)
+    with pytest.raises(PrivacyBudgetExhaustedError):
+        model.fit(ref.Rounds([empty_round(i) for i in range(4)]), epochs=1, verbose=0)
+
+
+def test_a_fit_must_start_at_an_epoch_and_run_whole_epochs():
+    model = tree_model()
+    model.train_on_batch(empty_round())
+    with pytest.raises(ValueError, match="not a whole number of epochs"):
+        model.fit(ref.Rounds([empty_round(i) for i in range(4)]), verbose=0)
+    fresh = tree_model()
+    with pytest.raises(ValueError, match="steps_per_epoch=2"):
+        fresh.fit(
+            ref.Rounds([empty_round(i) for i in range(4)]),
+            steps_per_epoch=2,
+            verbose=0,
+        )
+    assert protocol.read_private_steps(fresh) == 0
+
+
+def test_bad_combinations_are_refused_at_construction():
+    poisson = Schedule.virtual_clients(20, 2.5, users_per_client=2, num_clients=10)
+    with pytest.raises(ValueError, match="sampling='epochs'"):
+        tree_model(schedule=poisson)
+    with pytest.raises(ValueError, match="adaptive clipping"):
+        tree_model(adaptive_clipping=AdaptiveClipping())
+    with pytest.raises(ValueError, match="noise='tree' only"):
+        tree_model(noise="independent", tree_estimator="efficient")
+    with pytest.raises(ValueError, match="noise must be one of"):
+        tree_model(noise="banded")
+
+
+def test_independent_noise_without_sampling_is_one_gaussian_per_epoch():
+    model = tree_model(noise="independent", noise_multiplier=2.0)
+    mechanism = model.privacy_mechanism()
+    # A user is in one round per epoch: 3 epochs are 3 Gaussians of
+    # sensitivity 2C (k = 2), whatever the number of rounds per epoch.
+    assert mechanism.zcdp_rho(3 * ROUNDS_PER_EPOCH) == pytest.approx(3 * 4 / (2 * 4.0))
+    assert mechanism.describe_noise() == "independent Gaussian noise each step"
+    assert math.isfinite(privacy.epsilon(mechanism, 12, DELTA))
