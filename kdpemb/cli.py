@@ -9,8 +9,11 @@ Examples:
     kdpemb privacy epsilon --num-users 160000 --clients-per-round 2048 \\
         --steps 3200 --noise-multiplier 0.02 --delta 1e-8 \\
         --deployment-scale 64 --deployment-users 10000000
+    kdpemb privacy epsilon --mechanism tree --num-users 10000000 \\
+        --clients-per-round 131072 --epochs 10 --noise-multiplier 16.64 \\
+        --delta 1e-8 --accountant rdp
 
-The last one states a *simulated deployment* (64 times the noise and the
+The third one states a *simulated deployment* (64 times the noise and the
 clients per round, over 10M users), not the run's own guarantee; it also
 shows the run's own ε (RDP, where the run's relation allows). With
 --epochs the steps come from the run's pool: the deployment keeps the
@@ -32,7 +35,13 @@ from kdpemb.privacy.schedule import Schedule
 from kdpemb.privacy.statement import PrivacyStatement
 from kdpemb.version import __version__
 
-_SAMPLINGS = {"poisson": "poisson", "full-batch": "full_batch", "fixed": "fixed"}
+_SAMPLINGS = {
+    "poisson": "poisson",
+    "full-batch": "full_batch",
+    "fixed": "fixed",
+    "epochs": "epochs",
+}
+_MECHANISMS = {"gaussian": "independent", "tree": "tree"}
 
 
 def _add_schedule_arguments(parser):
@@ -73,8 +82,24 @@ def _add_schedule_arguments(parser):
     step.add_argument(
         "--sampling",
         choices=sorted(_SAMPLINGS),
-        default="poisson",
-        help="how each step's sample is drawn (default poisson)",
+        default=None,
+        help="how each step's sample is drawn (default poisson; epochs with "
+        "--mechanism tree): epochs = no sampling, each example or virtual "
+        "client in at most one step per epoch",
+    )
+    step.add_argument(
+        "--mechanism",
+        choices=sorted(_MECHANISMS),
+        default="gaussian",
+        help="gaussian (default): fresh noise each step; tree: DP-FTRL's tree "
+        "aggregation, restarted every epoch (needs --sampling epochs)",
+    )
+    step.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        metavar="R",
+        help="with --sampling epochs: steps (rounds) per epoch (default "
+        "ceil(pool / batch), the pool being examples or virtual clients)",
     )
     step.add_argument(
         "--clip-norm", type=float, metavar="C", help="clip norm, shown in the statement"
@@ -173,10 +198,71 @@ def build_parser():
     return parser
 
 
+def _sampling_of(args):
+    noise = _MECHANISMS[args.mechanism]
+    if args.sampling is None:
+        return "epochs" if noise == "tree" else "poisson"
+    sampling = _SAMPLINGS[args.sampling]
+    if noise == "tree" and sampling != "epochs":
+        raise ValueError(
+            f"--mechanism tree (DP-FTRL) needs steps without sampling: use "
+            f"--sampling epochs, not {args.sampling}."
+        )
+    return sampling
+
+
+def _epochs_mechanism(args, noise_multiplier):
+    """The mechanism of steps without sampling (`--sampling epochs`)."""
+    noise = _MECHANISMS[args.mechanism]
+    if args.num_examples is not None:
+        if args.users_per_client != 1 or args.clients_per_round is not None:
+            raise ValueError(
+                "--users-per-client and --clients-per-round need --num-users."
+            )
+        steps_per_epoch = args.steps_per_epoch
+        if steps_per_epoch is None:
+            if args.batch_size is None:
+                raise ValueError(
+                    "--sampling epochs needs --steps-per-epoch or --batch-size."
+                )
+            steps_per_epoch = -(-args.num_examples // int(args.batch_size))
+        return mechanisms.tree_aggregation(
+            noise_multiplier,
+            steps_per_epoch,
+            args.num_examples,
+            leaves_per_tree=None if noise == "tree" else 1,
+            clip_norm=args.clip_norm,
+        )
+    if args.batch_size is not None:
+        raise ValueError(
+            "--batch-size is for example-level DP; with --num-users give "
+            "--clients-per-round or --steps-per-epoch."
+        )
+    if args.clients_per_round is None and args.steps_per_epoch is None:
+        raise ValueError(
+            "--sampling epochs needs --steps-per-epoch or --clients-per-round."
+        )
+    schedule = Schedule.virtual_clients(
+        args.num_users,
+        args.clients_per_round,
+        users_per_client=args.users_per_client,
+        sampling="epochs",
+        rounds_per_epoch=args.steps_per_epoch,
+    )
+    return schedule.privacy_mechanism(noise_multiplier, args.clip_norm, noise=noise)
+
+
 def mechanism_from_args(args, noise_multiplier):
     """The mechanism and step count that the schedule flags describe."""
-    sampling = _SAMPLINGS[args.sampling]
-    if args.num_examples is not None:
+    sampling = _sampling_of(args)
+    if sampling == "epochs":
+        mechanism = _epochs_mechanism(args, noise_multiplier)
+    elif args.steps_per_epoch is not None:
+        raise ValueError(
+            "--steps-per-epoch is for --sampling epochs; with sampling an "
+            "epoch is ceil(1 / q) steps."
+        )
+    elif args.num_examples is not None:
         if args.clients_per_round is not None:
             raise ValueError(
                 "--clients-per-round is for user-level DP; with --num-examples "
@@ -246,7 +332,7 @@ def _deployment_from_args(args):
         args.num_users,
         args.clients_per_round,
         users_per_client=args.users_per_client,
-        sampling=_SAMPLINGS[args.sampling],
+        sampling=_sampling_of(args),
     )
     return simulated_deployment(
         schedule,

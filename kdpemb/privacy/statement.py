@@ -78,7 +78,7 @@ class PrivacyStatement:
     clip_norm: float | None
     sampling_probability: float | None
     population: int
-    noise_description: str = "independent Gaussian noise each step"
+    noise_description: str = "independent Gaussian noise each step"  # Mechanism's.
     rho: float | None = None
     mechanism: dict = dataclasses.field(default_factory=dict, compare=False)
     kdpemb_version: str = __version__
@@ -141,6 +141,8 @@ class PrivacyStatement:
             f"{self.steps} step{'' if self.steps == 1 else 's'}",
             f"sampling: {self.sampling_description}",
         ]
+        if self.noise_description != _INDEPENDENT_NOISE:
+            parts.append(f"noise: {self.noise_description}")
         if self.rho is not None and self.is_private:
             parts.insert(1, f"ρ = {self.rho:.4g} zCDP")
         if self.noise_multiplier is not None:
@@ -221,6 +223,9 @@ class PrivacyStatement:
 
     def __str__(self):
         return text_table(self.title, self.rows())
+
+
+_INDEPENDENT_NOISE = "independent Gaussian noise each step"
 
 
 def rich_table(title, rows):
