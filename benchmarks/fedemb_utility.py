@@ -13,6 +13,12 @@ pairs of held-out private-domain identities (never trained on):
 - `DP-FedEmb` and `DP-FedAvg`: the same rounds with clipping and noise
   multiplier z, whose ε is stated for a simulated deployment (noise s·z,
   s·M clients per round, `deployment_users` users), never as the run's own.
+- `DP-FTRL-FedEmb`: DP-FedEmb rounds without sampling (every virtual
+  client once per epoch) and tree-aggregated noise, restarted every
+  epoch. Its per-node noise is set so that the simulated deployment (s·M
+  clients per round over `deployment_users` users, the same rounds, its
+  trees restarted at the deployment's epochs) has the ε of DP-FedEmb's
+  deployment (RDP: the tree has no PLD model).
 
     python -m benchmarks.fedemb_utility            # the study (GPU: minutes)
     python -m benchmarks.fedemb_utility --quick    # smoke test (seconds)
@@ -39,6 +45,7 @@ METHODS = (
     "FedEmb (non-private)",
     "DP-FedEmb",
     "DP-FedAvg",
+    "DP-FTRL-FedEmb",
 )
 
 
@@ -82,6 +89,8 @@ class StudyConfig:
     clip_norm: float = 1.0
     noise_multiplier: float = 0.01
     adaptive_quantile: float = 0.0  # > 0: adaptive clipping from clip_norm.
+    # DP-FTRL: rounds per epoch (0: the divisor of `rounds` closest to P / M).
+    ftrl_rounds_per_epoch: int = 0
     # The simulated deployment that states ε.
     deployment_scale: float = 256.0
     deployment_users: int = 10_000_000
@@ -230,8 +239,113 @@ class Study:
         )
         return backbone, {"examples": cfg.centralized_epochs * len(self.private[1])}
 
-    def fedemb(self, aggregation, private, **overrides):
+    def _pool(self, cfg):
+        return -(-cfg.private_identities // cfg.users_per_client)
+
+    def _ftrl_rounds_per_epoch(self, cfg):
+        if cfg.ftrl_rounds_per_epoch:
+            return cfg.ftrl_rounds_per_epoch
+        ideal = self._pool(cfg) / cfg.clients_per_round
+        divisors = [r for r in range(1, cfg.rounds + 1) if cfg.rounds % r == 0]
+        return min(divisors, key=lambda r: abs(r - ideal))
+
+    def ftrl_noise(self, cfg):
+        """The run's per-node z and the deployment it is stated for: the
+        tree deployment whose ε equals DP-FedEmb's deployment ε."""
+        from kdpemb import privacy
+
+        delta = 0.1 / cfg.deployment_users
+        k, pool = cfg.users_per_client, self._pool(cfg)
+        deployment_clients = -(-cfg.deployment_users // k)
+        poisson = privacy.Schedule.virtual_clients(
+            cfg.private_identities,
+            cfg.clients_per_round,
+            users_per_client=k,
+            num_clients=pool,
+        )
+        target = privacy.simulated_deployment(
+            poisson,
+            cfg.noise_multiplier,
+            cfg.rounds,
+            scale=cfg.deployment_scale,
+            deployment_users=cfg.deployment_users,
+            delta=delta,
+            deployment_clients=deployment_clients,
+        ).deployment.epsilon
+        rounds_per_epoch = self._ftrl_rounds_per_epoch(cfg)
+        clients = cfg.deployment_scale * pool / rounds_per_epoch
+        deployment = privacy.Schedule.virtual_clients(
+            cfg.deployment_users,
+            clients,
+            users_per_client=k,
+            num_clients=deployment_clients,
+            sampling="epochs",
+        )
+        mechanism = deployment.privacy_mechanism(1.0, noise="tree")
+        z = privacy.calibrate_noise_multiplier(
+            mechanism, cfg.rounds, delta, target_epsilon=target, accountant="rdp"
+        )
+        deployed = mechanism.with_noise_multiplier(z)
+        return z / cfg.deployment_scale, {
+            "rounds per epoch": rounds_per_epoch,
+            "deployment epsilon": privacy.epsilon(deployed, cfg.rounds, delta),
+            "deployment rho": deployed.zcdp_rho(cfg.rounds),
+            "deployment delta": delta,
+            "deployment noise multiplier": z,
+            "deployment clients per round": clients,
+            "deployment rounds per epoch": deployment.steps_per_epoch,
+            "deployment users": cfg.deployment_users,
+        }
+
+    def ftrl(self, **overrides):
+
+        from kdpemb.data import VirtualClients
+        from kdpemb.models import FedEmbModel
+
+        cfg = dataclasses.replace(self.config, **overrides)
+        noise_multiplier, info = self.ftrl_noise(cfg)
+        rounds_per_epoch = info["rounds per epoch"]
+        images, labels, users = self.private
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Fixed seeds, as above.
+            clients = VirtualClients(
+                images,
+                labels,
+                users,
+                clients_per_round=None,
+                users_per_client=cfg.users_per_client,
+                num_clients=self._pool(cfg),
+                sampling="epochs",
+                rounds_per_epoch=rounds_per_epoch,
+                local_steps=cfg.local_steps,
+                batch_size=cfg.client_batch,
+                seed=self.seed,
+            )
+            model = FedEmbModel(
+                self.pretrained(),
+                head="cosine",
+                head_scale=cfg.head_scale,
+                client_optimizer=cfg.client_lr,
+                head_lr_scale=cfg.head_lr_scale,
+                reconstruction_steps=cfg.reconstruction_steps,
+                clip_norm=cfg.clip_norm,
+                noise_multiplier=noise_multiplier,
+                noise="tree",
+                seed=self.seed,
+            )
+        model.compile(optimizer=self._server(cfg))
+        model.fit(clients, epochs=cfg.rounds // rounds_per_epoch, verbose=0)
+        info.update(rounds=cfg.rounds, **{"noise multiplier": noise_multiplier})
+        return model.backbone, info
+
+    def _server(self, cfg):
         import keras
+
+        if cfg.server_optimizer == "sgd":
+            return keras.optimizers.SGD(cfg.server_lr, momentum=0.9)
+        return keras.optimizers.Adam(cfg.server_lr)
+
+    def fedemb(self, aggregation, private, **overrides):
 
         from kdpemb import privacy
         from kdpemb.data import VirtualClients
@@ -272,12 +386,7 @@ class Study:
                 ),
                 seed=self.seed,
             )
-        server = (
-            keras.optimizers.SGD(cfg.server_lr, momentum=0.9)
-            if cfg.server_optimizer == "sgd"
-            else keras.optimizers.Adam(cfg.server_lr)
-        )
-        model.compile(optimizer=server)
+        model.compile(optimizer=self._server(cfg))
         model.fit(clients, epochs=1, verbose=0)
         info = {"rounds": cfg.rounds}
         if private and cfg.adaptive_quantile:
@@ -316,6 +425,8 @@ class Study:
             backbone, info = self.fedemb("partial", private=True, **overrides)
         elif method == "DP-FedAvg":
             backbone, info = self.fedemb("full", private=True, **overrides)
+        elif method == "DP-FTRL-FedEmb":
+            backbone, info = self.ftrl(**overrides)
         else:
             raise ValueError(f"unknown method {method!r}; one of {METHODS}")
         record = {"method": method, "seed": self.seed, **overrides, **info}
@@ -331,7 +442,7 @@ def summarize(records):
         key = tuple(
             (k, v)
             for k, v in record.items()
-            if k not in ("seed", "seconds", "final clip norm")
+            if k not in ("seed", "seconds", "final clip norm", "noise multiplier")
             and not k.startswith(("recall", "deploy"))
         )
         groups.setdefault(key, []).append(record)
