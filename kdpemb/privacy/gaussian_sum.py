@@ -17,7 +17,8 @@ does exactly that on either backend, and nothing else.
   integer seed would give every tensor of the same shape the same noise,
   so it is refused.
 
-This module imports Keras; the rest of `kdpemb.privacy` does not.
+This module imports Keras, as `quantile_clip` and `tree_noise` do; the
+rest of `kdpemb.privacy` does not.
 """
 
 import secrets
