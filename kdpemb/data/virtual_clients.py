@@ -16,7 +16,8 @@ from kdpemb.data import assignment, round_size, sources
 from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
 from kdpemb.privacy import Schedule, mechanisms
 
-_SAMPLINGS = ("poisson", "fixed")
+_SAMPLINGS = ("poisson", "fixed", "epochs")
+_CLIENT_ORDERS = ("shuffled", "fixed")
 # Largest overflow probability of a Poisson round's default bound M_max. For
 # k > 1 the count of sampled slots depends on no one's data (P is public),
 # so 1e-9 only makes a failed run rare. For k = 1 the count is the number of
@@ -24,7 +25,7 @@ _SAMPLINGS = ("poisson", "fixed")
 # adds up to e^ε · rounds · p to δ: 1e-30 keeps that below 1e-10 for any
 # ε <= 25 and up to 10^9 rounds.
 TRUNCATION_TOLERANCE = {"independent of data": 1e-9, "data dependent": 1e-30}
-_ROUND_STREAM, _CLIENT_STREAM = 1, 2
+_ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM = 1, 2, 3
 _MAX_SEED = 2**128
 
 
@@ -66,6 +67,27 @@ class VirtualClients(keras.utils.PyDataset):
     4. Labels are re-indexed to 0..c-1 inside each client (c identities
        present), so the local head needs c columns, not the global count.
 
+    `sampling="epochs"` replaces steps 1 and 2 by rounds without sampling,
+    for DP-FTRL (`FedEmbModel(noise="tree")`): an epoch is R =
+    `rounds_per_epoch` rounds, a public number, and every virtual client
+    is in exactly one of them, so every user takes part in at most one
+    round per epoch. With k > 1 each user keeps one of the P slots for
+    the whole epoch (the keyed hash of step 1 with a salt per epoch, not
+    per round), and round r of the epoch takes the slots at positions j
+    with floor(j * R / P) = r of the epoch's slot order (ceil(P / R) or
+    floor(P / R) slots); with P fixed, removing a user changes the
+    content of one slot, in one round of each epoch. With k = 1 a user's
+    round is floor(u * R) for u a keyed hash of the user's own id and the
+    epoch's salt, so it does not depend on which other users exist:
+    removing a user takes that user's contribution out of one round of
+    each epoch and changes nothing else (a round then holds
+    Binomial(N, 1 / R) users, bounded as a Poisson round of single users
+    is). `client_order="shuffled"` (default) draws a new order every
+    epoch; `"fixed"` keeps the same clients in the same rounds every
+    epoch. The tree-aggregation accounting assumes no amplification from
+    the order, only at most one round per user per epoch, and its epochs
+    are the model's blocks of R steps: train on whole passes of R rounds.
+
     The element is a dict of arrays with static shapes:
 
     | key | shape | dtype |
@@ -89,7 +111,7 @@ class VirtualClients(keras.utils.PyDataset):
     both backends, prefetched by `workers` threads; `to_tf_dataset()` gives
     a `tf.data.Dataset` (for `tf.distribute`). Every round is a pure
     function of the seed and the round number, and successive epochs get
-    fresh rounds.
+    fresh rounds (for `sampling="epochs"`, round `epoch * R + r`).
 
     `schedule` is the `kdpemb.privacy.Schedule` of the rounds (users,
     P, M, sampling, local steps): a `FedEmbModel` takes it at its first
@@ -107,11 +129,18 @@ class VirtualClients(keras.utils.PyDataset):
         labels: int array `(N,)`. Identity of each image. Omit for a
             `UserImages` or a dataset.
         user_ids: int or str array `(N,)`. User of each image.
-        clients_per_round: float. M, the expected number of virtual
-            clients per round (exactly M for `sampling="fixed"`).
+        clients_per_round: float or None. M, the expected number of
+            virtual clients per round (exactly M for `sampling="fixed"`).
+            For `sampling="epochs"` it sets R = ceil(P / M) and may be
+            omitted when `rounds_per_epoch` is given; the rounds then hold
+            P / R clients on average.
         users_per_client: int. k, users per virtual client (on average).
             Defaults to `1`.
-        sampling: str. `"poisson"` or `"fixed"`. Defaults to `"poisson"`.
+        sampling: str. `"poisson"`, `"fixed"` or `"epochs"` (no
+            sampling, see above). Defaults to `"poisson"`.
+        client_order: str or None. For `sampling="epochs"` only:
+            `"shuffled"` (default, a new order every epoch) or `"fixed"`
+            (the same rounds every epoch).
         local_steps: int. Local batches per client per round. Defaults to
             `1`.
         batch_size: int. Examples per local batch. Defaults to `32`.
@@ -119,10 +148,16 @@ class VirtualClients(keras.utils.PyDataset):
             per round, at most `local_steps * batch_size`. Defaults to
             `local_steps * batch_size`.
         max_clients_per_round: int or None. M_max; defaults to the bound
-            with overflow probability <= 1e-9 per round.
-        rounds_per_epoch: int or None. Defaults to floor(P / M) (about one
-            expected pass over the clients; never more rounds per epoch
-            than `schedule.steps_for_epochs` counts).
+            with overflow probability <= 1e-9 per round (1e-30 for k = 1).
+            With `sampling="epochs"` and k > 1 it is ceil(P / R).
+        rounds_per_epoch: int or None. Rounds per pass (`len(self)`).
+            Defaults to floor(P / M) (about one expected pass over the
+            clients; never more rounds per epoch than
+            `schedule.steps_for_epochs` counts). For `sampling="epochs"`
+            it is R, the public number of rounds in which every client
+            takes part once, at most P; defaults to ceil(P / M). Pass it
+            (and for k > 1 `num_clients`) from public numbers so that R
+            does not depend on the user count.
         num_clients: int or None. P, the number of virtual clients, for
             k > 1. Defaults to ceil(N / k) for the N users in the data. P
             must not depend on the data for the one-client-changes
@@ -137,8 +172,11 @@ class VirtualClients(keras.utils.PyDataset):
         seed: int or None. `None` (default) draws the sampling seed from OS
             entropy. A fixed seed makes the sampling predictable, which the
             privacy guarantee does not allow: use it for tests only.
-        workers: int. Threads that prepare rounds ahead of training.
-            Defaults to `2`.
+        workers: int or None. Threads that prepare rounds ahead of
+            training. Defaults to `2`; with `sampling="epochs"` it must be
+            `1` (the default there): Keras' multi-worker loader serves
+            prefetched rounds in the next Keras epoch, which would mix two
+            epochs. `to_tf_dataset()` prefetches whole epochs instead.
         max_queue_size: int. Rounds prepared ahead. Defaults to `2`.
 
     Example:
@@ -155,6 +193,10 @@ class VirtualClients(keras.utils.PyDataset):
     ((2, 4, 16, 16, 3), dtype('uint8'))
     >>> bool(element["client_mask"].sum() <= clients.max_clients_per_round)
     True
+    >>> epochs = VirtualClients(data, users_per_client=2, num_clients=20,
+    ...                         sampling="epochs", rounds_per_epoch=6)
+    >>> len(epochs), epochs.max_clients_per_round  # ceil(20 / 6) slots
+    (6, 4)
     """
 
     def __init__(
@@ -163,9 +205,10 @@ class VirtualClients(keras.utils.PyDataset):
         labels=None,
         user_ids=None,
         *,
-        clients_per_round,
+        clients_per_round=None,
         users_per_client=1,
         sampling="poisson",
+        client_order=None,
         local_steps=1,
         batch_size=32,
         max_examples_per_client=None,
@@ -175,9 +218,11 @@ class VirtualClients(keras.utils.PyDataset):
         num_classes=None,
         users=None,
         seed=None,
-        workers=2,
+        workers=None,
         max_queue_size=2,
     ):
+        if workers is None:
+            workers = 1 if sampling == "epochs" else 2
         super().__init__(workers=workers, max_queue_size=max_queue_size)
         images, labels, user_ids, num_classes = sources.read_source(
             images, labels, user_ids, num_classes=num_classes
@@ -200,32 +245,64 @@ class VirtualClients(keras.utils.PyDataset):
         if sampling not in _SAMPLINGS:
             raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}.")
         self.sampling = sampling
+        self.client_order = self._check_client_order(client_order)
+        if sampling == "epochs" and self.workers > 1:
+            raise ValueError(
+                f"workers={self.workers}: with sampling='epochs' Keras must read "
+                "the rounds in order, one whole epoch per Keras epoch. Keras' "
+                "multi-worker loader carries rounds it prefetched over into the "
+                "next Keras epoch, which would then mix two epochs of rounds (a "
+                "user could take part twice in one DP-FTRL tree). Use workers=1 "
+                "(the default), or `to_tf_dataset()` for rounds prepared ahead."
+            )
         self.num_clients = self._check_num_clients(num_clients)
-        self.clients_per_round = self._check_clients_per_round(clients_per_round)
-        self.sampling_rate = self.clients_per_round / self.num_clients
-        self.local_steps = validation.check_positive_int(local_steps, "local_steps")
-        # P enters the schedule only when given: a P derived from the user
-        # count is not public (`Schedule.pool_is_public`).
-        self._schedule = Schedule.virtual_clients(
-            self.num_users,
-            self.clients_per_round,
-            users_per_client=self.users_per_client,
-            num_clients=None if num_clients is None else self.num_clients,
-            sampling=self.sampling,
-            local_steps=self.local_steps,
-        )
+        if self.sampling == "epochs":
+            self.local_steps = validation.check_positive_int(local_steps, "local_steps")
+            self.rounds_per_epoch = self._check_epoch_rounds(
+                clients_per_round, rounds_per_epoch
+            )
+            # P enters the schedule only when given: a P derived from the
+            # user count is not public (`Schedule.pool_is_public`).
+            self._schedule = Schedule.virtual_clients(
+                self.num_users,
+                clients_per_round,
+                users_per_client=self.users_per_client,
+                num_clients=None if num_clients is None else self.num_clients,
+                sampling=self.sampling,
+                local_steps=self.local_steps,
+                rounds_per_epoch=self.rounds_per_epoch,
+            )
+            self.clients_per_round = self._schedule.sample_size
+            self.sampling_rate = self._schedule.sampling_probability
+        else:
+            self.clients_per_round = self._check_clients_per_round(clients_per_round)
+            self.sampling_rate = self.clients_per_round / self.num_clients
+            self.local_steps = validation.check_positive_int(local_steps, "local_steps")
+            self._schedule = Schedule.virtual_clients(
+                self.num_users,
+                self.clients_per_round,
+                users_per_client=self.users_per_client,
+                num_clients=None if num_clients is None else self.num_clients,
+                sampling=self.sampling,
+                local_steps=self.local_steps,
+            )
         self.batch_size = validation.check_positive_int(batch_size, "batch_size")
         self.max_examples_per_client = self._check_cap(max_examples_per_client)
         self.max_clients_per_round, self.truncation_probability = self._round_bound(
             max_clients_per_round
         )
-        if rounds_per_epoch is None:
-            rounds_per_epoch = max(
-                1, math.floor(self.num_clients / self.clients_per_round)
+        if self.sampling != "epochs":
+            if rounds_per_epoch is None:
+                rounds_per_epoch = max(
+                    1, math.floor(self.num_clients / self.clients_per_round)
+                )
+            self.rounds_per_epoch = validation.check_positive_int(
+                rounds_per_epoch, "rounds_per_epoch"
             )
-        self.rounds_per_epoch = validation.check_positive_int(
-            rounds_per_epoch, "rounds_per_epoch"
-        )
+        # The last epochs' layouts (`_epoch_layout`), shared by the threads
+        # that prepare rounds.
+        self._layout_lock = threading.Lock()
+        self._layouts = {}
         if seed is None:
             self._root_seed = secrets.randbits(128)
         else:
@@ -314,7 +391,69 @@ class VirtualClients(keras.utils.PyDataset):
             )
         return value
 
+    def _check_client_order(self, order):
+        if self.sampling != "epochs":
+            if order is not None:
+                raise ValueError(
+                    f"client_order={order!r} is for sampling='epochs' only (rounds "
+                    f"without sampling); sampling={self.sampling!r} draws new "
+                    "clients every round. Leave client_order None, or use "
+                    "sampling='epochs'."
+                )
+            return None
+        if order is None:
+            return "shuffled"
+        if order not in _CLIENT_ORDERS:
+            raise ValueError(
+                f"client_order must be one of {_CLIENT_ORDERS}, got {order!r}."
+            )
+        return order
+
+    def _check_epoch_rounds(self, clients_per_round, rounds_per_epoch):
+        """R, the public number of rounds per epoch, for sampling='epochs'."""
+        pool = self.num_clients
+        if clients_per_round is not None:
+            clients_per_round = self._check_clients_per_round(clients_per_round)
+        if rounds_per_epoch is None:
+            if clients_per_round is None:
+                raise ValueError(
+                    "sampling='epochs' needs clients_per_round (M: an epoch is "
+                    "then R = ceil(P / M) rounds) or rounds_per_epoch (R, a "
+                    "public number). Pass one of them."
+                )
+            rounds = _rounds_for(pool, clients_per_round)
+        else:
+            rounds = validation.check_positive_int(rounds_per_epoch, "rounds_per_epoch")
+            if clients_per_round is not None:
+                implied = _rounds_for(pool, clients_per_round)
+                if implied != rounds:
+                    raise ValueError(
+                        f"clients_per_round={clients_per_round:g} and "
+                        f"rounds_per_epoch={rounds} disagree: {pool} virtual "
+                        f"clients in {rounds} rounds make {pool / rounds:.4g} "
+                        f"per round, and clients_per_round={clients_per_round:g} "
+                        f"makes ceil(P / M) = {implied} rounds. Pass only one "
+                        "of them."
+                    )
+        if rounds > pool:
+            given = (
+                f"rounds_per_epoch={rounds}"
+                if rounds_per_epoch is not None
+                else f"clients_per_round={clients_per_round:g} (R = {rounds} rounds)"
+            )
+            raise ValueError(
+                f"{given}: an epoch of {rounds} rounds over {pool} virtual "
+                f"clients would leave some rounds always empty. Use at most "
+                f"rounds_per_epoch={pool} (clients_per_round >= 1)."
+            )
+        return rounds
+
     def _check_clients_per_round(self, value):
+        if value is None:
+            raise ValueError(
+                f"sampling={self.sampling!r} needs clients_per_round, M: the "
+                "expected number of virtual clients per round."
+            )
         value = validation.check_positive(value, "clients_per_round")
         if value > self.num_clients:
             raise ValueError(
@@ -360,15 +499,19 @@ class VirtualClients(keras.utils.PyDataset):
                     "Leave it None."
                 )
             return self.clients_per_round, 0.0
+        rate = self.sampling_rate
+        if self.sampling == "epochs":
+            # k > 1: a round holds a public number of slots. k = 1: each
+            # user's round is uniform over R, so a round holds
+            # Binomial(N, 1 / R) users.
+            if self.users_per_client > 1:
+                return self._epoch_slots_bound(bound), 0.0
+            rate = 1.0 / self.rounds_per_epoch
         tolerance = self._truncation_tolerance
         if bound is None:
-            bound = round_size.max_clients_per_round(
-                self.num_clients, self.sampling_rate, tolerance
-            )
+            bound = round_size.max_clients_per_round(self.num_clients, rate, tolerance)
         bound = validation.check_positive_int(bound, "max_clients_per_round")
-        probability = round_size.overflow_probability(
-            self.num_clients, self.sampling_rate, bound
-        )
+        probability = round_size.overflow_probability(self.num_clients, rate, bound)
         if probability > tolerance:
             extra = (
                 " With users_per_client=1 whether a round overflows depends on "
@@ -386,6 +529,20 @@ class VirtualClients(keras.utils.PyDataset):
                 stacklevel=3,
             )
         return min(bound, self.num_clients), probability
+
+    def _epoch_slots_bound(self, bound):
+        slots = math.ceil(self.num_clients / self.rounds_per_epoch)
+        if bound is not None:
+            bound = validation.check_positive_int(bound, "max_clients_per_round")
+            if bound != slots:
+                raise ValueError(
+                    f"max_clients_per_round={bound}: with sampling='epochs' and "
+                    f"users_per_client={self.users_per_client} every round "
+                    f"holds ceil(P / R) = ceil({self.num_clients} / "
+                    f"{self.rounds_per_epoch}) = {slots} client slots (or one "
+                    "fewer). Leave it None."
+                )
+        return slots
 
     # ------------------------------------------------------- properties --
 
@@ -451,12 +608,22 @@ class VirtualClients(keras.utils.PyDataset):
     def describe(self):
         """A few lines on the population, the sampling and one round."""
         spec = self.element_spec
+        if self.sampling == "epochs":
+            how = (
+                f"no sampling: each in one of {self.rounds_per_epoch} rounds "
+                f"per epoch ({self.client_order} order), "
+                f"{self.clients_per_round:.4g} per round"
+            )
+        else:
+            how = (
+                f"{self.sampling} sampling, M = {self.clients_per_round:g} "
+                f"per round (q = {self.sampling_rate:.4g})"
+            )
         lines = [
             f"{self.num_examples} examples of {self.num_classes} identities "
             f"from {self.num_users} users",
             f"{self.num_clients} virtual clients of ~{self.users_per_client} "
-            f"user(s); {self.sampling} sampling, M = {self.clients_per_round:g} "
-            f"per round (q = {self.sampling_rate:.4g})",
+            f"user(s); {how}",
             f"M_max = {self.max_clients_per_round} client slots "
             f"(overflow probability {self.truncation_probability:.2g} per round)",
             f"{self.rounds_per_epoch} rounds per epoch, "
@@ -472,7 +639,13 @@ class VirtualClients(keras.utils.PyDataset):
             f"VirtualClients(num_users={self.num_users}, "
             f"num_clients={self.num_clients}, "
             f"clients_per_round={self.clients_per_round:g}, "
-            f"sampling={self.sampling!r})"
+            f"sampling={self.sampling!r}"
+            + (
+                f", rounds_per_epoch={self.rounds_per_epoch}, "
+                f"client_order={self.client_order!r})"
+                if self.sampling == "epochs"
+                else ")"
+            )
         )
 
     # --------------------------------------------------------- sampling --
@@ -493,6 +666,18 @@ class VirtualClients(keras.utils.PyDataset):
         arrays of `round()` are built from this plan.
         """
         round_index = validation.check_steps(round_index, "round_index", minimum=0)
+        if self.sampling == "epochs":
+            members = self._epoch_members(round_index)
+        else:
+            members = self._sampled_members(round_index)
+        return {
+            key: self._plan_client(users, self._rng(_CLIENT_STREAM, round_index, key))
+            for key, users in members.items()
+            if users.size
+        }
+
+    def _sampled_members(self, round_index):
+        """`{client key: user indices}` of a Poisson or fixed-size round."""
         salts = self._rng(_ROUND_STREAM, round_index).integers(
             0, 2**64, size=3, dtype=np.uint64, endpoint=False
         )
@@ -512,14 +697,7 @@ class VirtualClients(keras.utils.PyDataset):
         else:
             order = np.argsort(assignment.keyed_hash(client_keys, sample_salt))
             chosen = np.sort(order[: self.clients_per_round])
-        if chosen.size > self.max_clients_per_round:
-            raise RoundTruncationError(
-                f"Round {round_index} sampled {chosen.size} virtual clients, "
-                f"more than max_clients_per_round={self.max_clients_per_round} "
-                f"(probability {self.truncation_probability:.2g} per round). "
-                "No update was computed from it. Raise max_clients_per_round "
-                "(or leave it None) and resume."
-            )
+        self._check_round_size(round_index, chosen.size, "sampled")
         if self.users_per_client == 1:
             members = {int(client_keys[u]): np.array([u]) for u in chosen}
         elif chosen.size == 0:
@@ -532,11 +710,80 @@ class VirtualClients(keras.utils.PyDataset):
             members = {
                 int(slot): users for slot, users in zip(chosen, groups, strict=True)
             }
+        return members
+
+    def _check_round_size(self, round_index, count, verb):
+        if count > self.max_clients_per_round:
+            raise RoundTruncationError(
+                f"Round {round_index} {verb} {count} virtual clients, "
+                f"more than max_clients_per_round={self.max_clients_per_round} "
+                f"(probability {self.truncation_probability:.2g} per round). "
+                "No update was computed from it. Raise max_clients_per_round "
+                "(or leave it None) and resume."
+            )
+
+    def _epoch_members(self, round_index):
+        """`{client key: user indices}` of a round of sampling='epochs'."""
+        epoch, position = divmod(round_index, self.rounds_per_epoch)
+        layout = self._epoch_layout(epoch)
+        if self.users_per_client == 1:
+            chosen = layout[position]
+            self._check_round_size(round_index, chosen.size, "holds")
+            return {int(self._keys[u]): np.array([u]) for u in chosen}
+        slots, users_by_slot, slot_bounds = layout
+        start, stop = _epoch_positions(
+            position, self.num_clients, self.rounds_per_epoch
+        )
         return {
-            key: self._plan_client(users, self._rng(_CLIENT_STREAM, round_index, key))
-            for key, users in members.items()
-            if users.size
+            int(slot): users_by_slot[slot_bounds[slot] : slot_bounds[slot + 1]]
+            for slot in np.sort(slots[start:stop])
         }
+
+    def _epoch_layout(self, epoch):
+        """Who is where in one epoch of sampling='epochs' (cached).
+
+        k = 1: a list of R arrays, the users of each round; a user's round
+        is floor(hash_uniform(user key, salt) * R), which looks at no other
+        user. k > 1: `(slot order, users sorted by slot, slot bounds)`;
+        every user keeps one slot (a keyed hash with the epoch's salt) for
+        the whole epoch, and round r takes the slots at positions j of the
+        order with floor(j * R / P) = r. With `client_order="fixed"` the
+        salts (and for k > 1 the slot order 0..P-1) are those of epoch 0.
+        """
+        key = 0 if self.client_order == "fixed" else epoch
+        with self._layout_lock:
+            layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        salts = self._rng(_EPOCH_STREAM, key).integers(
+            0, 2**64, size=2, dtype=np.uint64, endpoint=False
+        )
+        assign_salt, order_salt = (int(s) for s in salts)
+        rounds = self.rounds_per_epoch
+        if self.users_per_client == 1:
+            place = assignment.hash_uniform(self._keys, assign_salt) * rounds
+            place = np.minimum(np.floor(place).astype(np.int64), rounds - 1)
+            by_round = np.argsort(place, kind="stable")
+            bounds = np.searchsorted(place[by_round], np.arange(rounds + 1))
+            layout = [by_round[bounds[r] : bounds[r + 1]] for r in range(rounds)]
+        else:
+            pool = self.num_clients
+            slots = assignment.assign_virtual_clients(self._keys, pool, assign_salt)
+            if self.client_order == "fixed":
+                order = np.arange(pool)
+            else:
+                order = np.argsort(
+                    assignment.keyed_hash(np.arange(pool, dtype=np.uint64), order_salt)
+                )
+            users_by_slot = np.argsort(slots, kind="stable")
+            slot_bounds = np.searchsorted(slots[users_by_slot], np.arange(pool + 1))
+            layout = (order, users_by_slot, slot_bounds)
+        with self._layout_lock:
+            # Keep two epochs: prefetching threads may straddle a boundary.
+            if len(self._layouts) >= 2:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return layout
 
     def _plan_client(self, users, rng):
         starts = self._user_offsets[users]
@@ -667,6 +914,41 @@ def clients_of(dataset):
         return None
 
 
+def participation_counts(clients, epoch):
+    """How many times each user takes part in one epoch of `clients`' rounds.
+
+    Reads the plans of rounds `epoch * len(clients)` to
+    `(epoch + 1) * len(clients) - 1` (`VirtualClients.plan_round`) and counts
+    every client a user is in (a user in two clients of one round counts
+    twice). With `sampling="epochs"` every count is 1; with Poisson or
+    fixed-size sampling a user can take part in several rounds of an epoch.
+
+    Args:
+        clients: `VirtualClients`.
+        epoch: int >= 0. The epoch (pass over `len(clients)` rounds).
+
+    Returns:
+        dict `{user index: count}` over every user (index into
+        `clients.user_names`), 0 for a user in no round.
+
+    Example:
+
+    >>> import numpy as np
+    >>> clients = VirtualClients(np.zeros((6, 2, 2, 1)), labels=np.zeros(6, int),
+    ...                          user_ids=np.arange(6), sampling="epochs",
+    ...                          rounds_per_epoch=3)
+    >>> participation_counts(clients, epoch=0)
+    {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
+    """
+    epoch = validation.check_steps(epoch, "epoch", minimum=0)
+    rounds = len(clients)
+    counts = np.zeros(clients.num_users, dtype=np.int64)
+    for position in range(rounds):
+        for plan in clients.plan_round(epoch * rounds + position).values():
+            np.add.at(counts, plan.users, 1)
+    return {user: int(count) for user, count in enumerate(counts)}
+
+
 def _even_quotas(counts, total, rng):
     """Splits `total` examples between users as evenly as their counts allow."""
     quotas = np.zeros_like(counts)
@@ -697,6 +979,23 @@ def _layout(examples, steps, batch_size, rng):
         grid[step, :take] = order[position : position + take]
         position += take
     return grid
+
+
+def _rounds_for(num_clients, clients_per_round):
+    """R = ceil(P / M), with M = P / R (as a float) giving R back."""
+    ratio = num_clients / clients_per_round
+    nearest = round(ratio)
+    if abs(ratio - nearest) <= 1e-9 * ratio:
+        return max(1, nearest)
+    return math.ceil(ratio)
+
+
+def _epoch_positions(position, num_clients, rounds):
+    """`[start, stop)`: the positions j with floor(j * R / P) = position."""
+    return (
+        -(-position * num_clients // rounds),
+        -(-(position + 1) * num_clients // rounds),
+    )
 
 
 def _words64(value):
