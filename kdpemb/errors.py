@@ -24,6 +24,7 @@ __all__ = [
     "ReproducibleNoiseWarning",
     "ReproducibleSamplingWarning",
     "RoundTruncationError",
+    "RoundsOutOfEpochError",
     "UnsupportedBackendError",
     "UnsupportedLayerError",
     "UnsupportedMechanismError",
@@ -83,6 +84,14 @@ class PrivacyBudgetExhaustedError(RuntimeError):
 
 class RoundTruncationError(RuntimeError):
     """A round sampled more virtual clients than its fixed shape holds."""
+
+
+class RoundsOutOfEpochError(RuntimeError):
+    """Rounds without sampling did not line up with the model's epochs.
+
+    They were not trained (nothing was released and they were not
+    counted): a user could otherwise take part twice in one epoch.
+    """
 
 
 class DatasetNotFoundError(FileNotFoundError):

@@ -24,16 +24,19 @@ def toy_case():
     return ContractCase("toy_dp_regressor", build, fit, 3, "example", 1e-3)
 
 
-def fedemb_case(**privacy_settings):
+def fedemb_case(sampling="poisson", **privacy_settings):
     from kdpemb.data import VirtualClients
     from kdpemb.datasets import synthetic_identities
     from kdpemb.models import FedEmbModel
 
     data = synthetic_identities(16, 4, image_size=8, seed=0)
+    rounds = {"rounds_per_epoch": 2} if sampling == "poisson" else {}
     clients = VirtualClients(
-        data, clients_per_round=3, users_per_client=2, num_clients=8,
-        batch_size=4, rounds_per_epoch=2, workers=1,
+        data, clients_per_round=3 if sampling == "poisson" else 4,
+        users_per_client=2, num_clients=8, batch_size=4, workers=1,
+        sampling=sampling, **rounds,
     )  # fmt: skip
+    assert clients.rounds_per_epoch == 2
 
     def build():
         # Dense only: the contract is about the protocol, and convolutions
@@ -129,6 +132,8 @@ CASES = {
     "fedemb_target_epsilon": lambda: fedemb_case(
         target_epsilon=20.0, delta=1e-3, planned_steps=6
     ),
+    # DP-FTRL: 2 rounds per epoch without sampling, tree noise.
+    "fedemb_tree": lambda: fedemb_case("epochs", noise="tree", noise_multiplier=2.0),
     "fedemb_adaptive_clipping": lambda: fedemb_case(
         adaptive_clipping=_adaptive_clipping(), noise_multiplier=1.0
     ),

@@ -26,6 +26,9 @@ _CLIENT_ORDERS = ("shuffled", "fixed")
 # ε <= 25 and up to 10^9 rounds.
 TRUNCATION_TOLERANCE = {"independent of data": 1e-9, "data dependent": 1e-30}
 _ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM = 1, 2, 3
+# With sampling="epochs", each round also says which data epoch it is from
+# and its position in that epoch.
+_POSITION_KEYS = ("epoch_index", "round_in_epoch")
 _MAX_SEED = 2**128
 
 
@@ -572,6 +575,11 @@ class VirtualClients(keras.utils.PyDataset):
             "example_mask": (grid, np.dtype(bool)),
             "client_mask": ((m,), np.dtype(bool)),
             "num_local_classes": ((m,), np.dtype(np.int32)),
+            **(
+                {key: ((m,), np.dtype(np.int32)) for key in _POSITION_KEYS}
+                if self.sampling == "epochs"
+                else {}
+            ),
         }
 
     @property
@@ -820,7 +828,7 @@ class VirtualClients(keras.utils.PyDataset):
         client_mask = np.zeros(m, dtype=bool)
         client_mask[: len(plans)] = True
         global_labels = np.where(example_mask, self._labels[np.maximum(index, 0)], 0)
-        return {
+        element = {
             "images": self._gather(index, example_mask),
             "labels": local,
             "global_labels": global_labels.astype(np.int32),
@@ -828,6 +836,14 @@ class VirtualClients(keras.utils.PyDataset):
             "client_mask": client_mask,
             "num_local_classes": num_local,
         }
+        if self.sampling == "epochs":
+            # Where the round sits, on every row (rows may be split over
+            # devices): the model checks that each of its trees takes the
+            # rounds of one data epoch, in order.
+            epoch, position = divmod(round_index, self.rounds_per_epoch)
+            element["epoch_index"] = np.full(m, epoch, np.int32)
+            element["round_in_epoch"] = np.full(m, position, np.int32)
+        return element
 
     def _gather(self, index, mask):
         flat_index = index.reshape(-1)

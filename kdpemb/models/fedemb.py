@@ -15,7 +15,11 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.errors import DataDependentScheduleWarning, PrivacyBudgetExhaustedError
+from kdpemb.errors import (
+    DataDependentScheduleWarning,
+    PrivacyBudgetExhaustedError,
+    RoundsOutOfEpochError,
+)
 from kdpemb.models import (
     backbone_checks,
     backends,
@@ -470,6 +474,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             self.count_seed = generators[2]
         if self._schedule is not None:
             self._build_tree_state()
+            self._build_epoch_state()
         self.built = True
         self._freeze_settings()
 
@@ -536,6 +541,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self._schedule = schedule
         if hasattr(self, "private_steps"):  # Built: else __init__ builds it.
             self._build_tree_state()
+            self._build_epoch_state()
 
     def _noised_variables(self):
         """The variables whose update is clipped, noised and applied."""
@@ -543,6 +549,38 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         if self.aggregation == "full":
             variables.append(self.head)
         return variables
+
+    def _build_epoch_state(self):
+        """Rounds without sampling: the data epoch of the model's current
+        epoch of rounds (-1: none yet), which of its rounds were taken, and
+        a count of rounds refused because they did not belong to it (see
+        `_epoch_aligned`)."""
+        if self._schedule.sampling != "epochs" or hasattr(self, "data_epoch"):
+            return
+        self.data_epoch = self.add_weight(
+            shape=(),
+            dtype="int32",
+            initializer=keras.initializers.Constant(-1),
+            trainable=False,
+            aggregation="only_first_replica",
+            name="data_epoch",
+        )
+        self.epoch_rounds_taken = self.add_weight(
+            shape=(self._schedule.steps_per_epoch,),
+            dtype="int32",
+            initializer="zeros",
+            trainable=False,
+            aggregation="only_first_replica",
+            name="epoch_rounds_taken",
+        )
+        self.misaligned_rounds = self.add_weight(
+            shape=(),
+            dtype="int32",
+            initializer="zeros",
+            trainable=False,
+            aggregation="only_first_replica",
+            name="misaligned_rounds",
+        )
 
     def _build_tree_state(self):
         """With `noise="tree"`: the open tree nodes' noise, one
@@ -756,7 +794,26 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 DataDependentScheduleWarning,
                 stacklevel=2,
             )
-        return super().fit(x, *args, **kwargs)
+        misaligned = self._misaligned()
+        history = super().fit(x, *args, **kwargs)
+        skipped = self._misaligned() - misaligned
+        if skipped:
+            raise RoundsOutOfEpochError(
+                f"{skipped} round(s) of this fit came from another data epoch "
+                "or position than the model's epoch of "
+                f"{self._schedule.steps_per_epoch} rounds expected, and were "
+                "not trained (they released nothing and are not counted): a "
+                "user could otherwise take part twice in one epoch of the "
+                "accounting. Fit on the VirtualClients itself (or its "
+                "to_tf_dataset()) with whole epochs; the model is as after "
+                "its last counted round."
+            )
+        return history
+
+    def _misaligned(self):
+        if not hasattr(self, "misaligned_rounds"):
+            return 0
+        return int(ops.convert_to_numpy(self.misaligned_rounds.value))
 
     def _check_epoch_alignment(self, arguments):
         """Rounds without sampling (`sampling="epochs"`) are accounted per
@@ -999,7 +1056,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         )
 
         clipped = result.clipped
-        within_plan = self._within_plan()
+        within_plan = _both(self._within_plan(), self._epoch_aligned(data))
         if self.noise == "tree":
             noise = self._tree_round_noise(clipped, within_plan)
         else:
@@ -1058,6 +1115,42 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                         within_plan, logs[name], ops.zeros_like(logs[name])
                     )
         return logs
+
+    def _epoch_aligned(self, data):
+        """With rounds without sampling from `VirtualClients` (which say
+        their data epoch and position): whether this round belongs to the
+        model's current epoch of R rounds (a traced bool), else None.
+
+        The accounting (and the tree) count a user once per epoch of R
+        rounds from the model's first. So the R rounds of a model epoch
+        must be R distinct rounds of one data epoch, in any order (Keras
+        shuffles them). `fit` refuses what it can see up front; this
+        catches the rest (a data pass cut short, a loader that serves an
+        epoch's rounds to the next one): a round that does not belong
+        releases nothing, is not counted, and `fit` then raises."""
+        if "round_in_epoch" not in data or self._schedule.sampling != "epochs":
+            return None
+        rounds = self._schedule.steps_per_epoch
+        starts = ops.equal(self.private_steps.value % rounds, 0)
+        data_epoch = ops.cast(data["epoch_index"][0], "int32")
+        data_position = ops.cast(data["round_in_epoch"][0], "int32")
+        this_round = ops.cast(ops.equal(ops.arange(rounds), data_position), "int32")
+        taken = ops.where(starts, 0, self.epoch_rounds_taken.value)
+        aligned = ops.logical_and(
+            ops.logical_or(starts, ops.equal(data_epoch, self.data_epoch.value)),
+            ops.logical_and(
+                ops.equal(ops.sum(this_round), 1),  # A position in [0, R).
+                ops.equal(ops.sum(taken * this_round), 0),  # Not taken yet.
+            ),
+        )
+        self.data_epoch.assign(ops.where(aligned, data_epoch, self.data_epoch.value))
+        self.epoch_rounds_taken.assign(
+            ops.where(
+                aligned, ops.maximum(taken, this_round), self.epoch_rounds_taken.value
+            )
+        )
+        self.misaligned_rounds.assign_add(1 - ops.cast(aligned, "int32"))
+        return aligned
 
     def _tree_round_noise(self, clipped, within_plan):
         """This round's tree noise; moves the tree's state (unless the round
@@ -1153,6 +1246,13 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         config = dict(config)
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         return cls(**config)
+
+
+def _both(first, second):
+    """`first and second` of two traced bools, where None means true."""
+    if first is None or second is None:
+        return second if first is None else first
+    return ops.logical_and(first, second)
 
 
 def _as_schedule(schedule):

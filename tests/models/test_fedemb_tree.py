@@ -215,3 +215,58 @@ def test_independent_noise_without_sampling_is_one_gaussian_per_epoch():
     assert mechanism.zcdp_rho(3 * ROUNDS_PER_EPOCH) == pytest.approx(3 * 4 / (2 * 4.0))
     assert mechanism.describe_noise() == "independent Gaussian noise each step"
     assert math.isfinite(privacy.epsilon(mechanism, 12, DELTA))
+
+
+def epochs_clients(**overrides):
+    from kdpemb.data import VirtualClients
+
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(40, *ref.IMAGE_SHAPE)).astype("float32")
+    settings = {
+        "clients_per_round": 3,
+        "users_per_client": 2,
+        "num_clients": 10,
+        "local_steps": 3,
+        "batch_size": 2,
+        "sampling": "epochs",
+        "seed": 0,
+        **overrides,
+    }
+    return VirtualClients(images, np.arange(40) % 20, np.arange(40) % 20, **settings)
+
+
+def test_a_fit_on_the_clients_trains_whole_epochs_of_one_tree_each():
+    clients = epochs_clients()
+    rounds = clients.rounds_per_epoch
+    model = tree_model(schedule=clients.schedule)
+    model.fit(clients, epochs=2, verbose=0)
+    assert protocol.read_private_steps(model) == 2 * rounds
+    assert int(keras.ops.convert_to_numpy(model.misaligned_rounds)) == 0
+    # The second epoch's tree took the rounds of a data epoch served after
+    # the first one's.
+    assert int(keras.ops.convert_to_numpy(model.data_epoch)) >= 1
+
+
+@pytest.mark.parametrize("order", ["repeated", "mixed_epochs"])
+def test_rounds_out_of_their_epoch_are_not_trained_and_the_fit_raises(order):
+    from kdpemb.errors import RoundsOutOfEpochError
+
+    clients = epochs_clients()
+    rounds = clients.rounds_per_epoch  # 4 rounds of 3 of the 10 slots.
+    if order == "repeated":  # A round twice: its users twice in one tree.
+        served = [clients.round(i) for i in (2, 0, 2, 0)]
+    else:  # Epoch 0's first rounds, then the rest of epoch 1: a user twice.
+        served = [clients.round(i) for i in (1, 0, rounds + 2, rounds + 3)]
+    model = tree_model(schedule=clients.schedule)
+    start = ref.kernel_of(model.backbone).copy()
+    with pytest.raises(RoundsOutOfEpochError, match="2 round"):
+        model.fit(ref.Rounds(served), epochs=1, verbose=0, shuffle=False)
+    # The first two (distinct rounds of one data epoch, in any order) were
+    # trained; the refused ones released nothing and are not counted.
+    assert protocol.read_private_steps(model) == 2
+    after_two = tree_model(schedule=clients.schedule)
+    after_two.fit(ref.Rounds(served[:2]), epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_allclose(
+        ref.kernel_of(model.backbone), ref.kernel_of(after_two.backbone), atol=1e-6
+    )
+    assert not np.allclose(ref.kernel_of(model.backbone), start)
