@@ -101,6 +101,11 @@ class VirtualClients(keras.utils.PyDataset):
     | `example_mask` | `[M_max, local_steps, batch_size]` | bool |
     | `client_mask` | `[M_max]` | bool |
     | `num_local_classes` | `[M_max]` | int32 |
+    | `epoch_index`, `round_in_epoch` (`sampling="epochs"` only) | `[M_max]` | int32 |
+
+    With `sampling="epochs"` every row also says which data epoch the round
+    is from and its position in it: `FedEmbModel` checks that each of its
+    epochs of R rounds takes R distinct rounds of one data epoch.
 
     Sampled clients fill the first rows; masked slots hold zeros. M_max is
     the smallest bound that a Poisson round exceeds with probability at

@@ -185,7 +185,8 @@ class Schedule:
         steps_per_epoch = None
         if sampling == "epochs":
             steps_per_epoch = validation.check_positive_int(
-                rounds_per_epoch or math.ceil(pool / clients_per_round),
+                # Rounded first: M = P / R given back must give R again.
+                rounds_per_epoch or math.ceil(round(pool / clients_per_round, 9)),
                 "rounds_per_epoch",
             )
             if steps_per_epoch > pool:
