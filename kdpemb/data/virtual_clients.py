@@ -13,8 +13,13 @@ import numpy as np
 
 from kdpemb import _validation as validation
 from kdpemb.data import assignment, round_size, sources
-from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
+from kdpemb.errors import (
+    DataDependentScheduleWarning,
+    ReproducibleSamplingWarning,
+    RoundTruncationError,
+)
 from kdpemb.privacy import Schedule, mechanisms
+from kdpemb.privacy.schedule import rounds_per_epoch_for
 
 _SAMPLINGS = ("poisson", "fixed", "epochs")
 _CLIENT_ORDERS = ("shuffled", "fixed")
@@ -25,10 +30,10 @@ _CLIENT_ORDERS = ("shuffled", "fixed")
 # adds up to e^ε · rounds · p to δ: 1e-30 keeps that below 1e-10 for any
 # ε <= 25 and up to 10^9 rounds.
 TRUNCATION_TOLERANCE = {"independent of data": 1e-9, "data dependent": 1e-30}
-_ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM = 1, 2, 3
-# With sampling="epochs", each round also says which data epoch it is from
-# and its position in that epoch.
-_POSITION_KEYS = ("epoch_index", "round_in_epoch")
+_ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM, _LAYOUT_ID_STREAM = 1, 2, 3, 4
+# With sampling="epochs", each round also says which epoch layout (who is
+# in which round) it is from, and its position in that epoch.
+_POSITION_KEYS = ("epoch_id", "round_in_epoch")
 _MAX_SEED = 2**128
 
 
@@ -101,11 +106,12 @@ class VirtualClients(keras.utils.PyDataset):
     | `example_mask` | `[M_max, local_steps, batch_size]` | bool |
     | `client_mask` | `[M_max]` | bool |
     | `num_local_classes` | `[M_max]` | int32 |
-    | `epoch_index`, `round_in_epoch` (`sampling="epochs"` only) | `[M_max]` | int32 |
+    | `epoch_id`, `round_in_epoch` (`sampling="epochs"` only) | `[M_max]` | int32 |
 
-    With `sampling="epochs"` every row also says which data epoch the round
-    is from and its position in it: `FedEmbModel` checks that each of its
-    epochs of R rounds takes R distinct rounds of one data epoch.
+    With `sampling="epochs"` every row also says which epoch layout the
+    round is from (a 31-bit id drawn from the seed) and its position in
+    it: `FedEmbModel` checks that each of its epochs of R rounds takes R
+    distinct rounds of one layout.
 
     Sampled clients fill the first rows; masked slots hold zeros. M_max is
     the smallest bound that a Poisson round exceeds with probability at
@@ -429,11 +435,21 @@ class VirtualClients(keras.utils.PyDataset):
                     "then R = ceil(P / M) rounds) or rounds_per_epoch (R, a "
                     "public number). Pass one of them."
                 )
-            rounds = _rounds_for(pool, clients_per_round)
+            rounds = rounds_per_epoch_for(pool, clients_per_round)
+            if self.users_per_client == 1:
+                warnings.warn(
+                    f"sampling='epochs' with one user per virtual client: the "
+                    f"epoch's R = ceil(N / M) = {rounds} rounds derives from "
+                    f"the private user count N = {pool}, and every user's round "
+                    "depends on R, so one user more or less can move everyone. "
+                    "Pass rounds_per_epoch from a public count.",
+                    DataDependentScheduleWarning,
+                    stacklevel=4,
+                )
         else:
             rounds = validation.check_positive_int(rounds_per_epoch, "rounds_per_epoch")
             if clients_per_round is not None:
-                implied = _rounds_for(pool, clients_per_round)
+                implied = rounds_per_epoch_for(pool, clients_per_round)
                 if implied != rounds:
                     raise ValueError(
                         f"clients_per_round={clients_per_round:g} and "
@@ -752,6 +768,15 @@ class VirtualClients(keras.utils.PyDataset):
             for slot in np.sort(slots[start:stop])
         }
 
+    def _epoch_id(self, epoch):
+        """A 31-bit identity of an epoch's layout (who is in which round),
+        drawn from the sampling seed: the same for the same layout (with
+        `client_order="fixed"`, every epoch's), and with probability
+        1 - 2^-31 different for another epoch or another `VirtualClients`
+        (a restarted job draws a new seed, and a new layout)."""
+        key = 0 if self.client_order == "fixed" else epoch
+        return int(self._rng(_LAYOUT_ID_STREAM, key).integers(0, 2**31 - 1))
+
     def _epoch_layout(self, epoch):
         """Who is where in one epoch of sampling='epochs' (cached).
 
@@ -843,10 +868,10 @@ class VirtualClients(keras.utils.PyDataset):
         }
         if self.sampling == "epochs":
             # Where the round sits, on every row (rows may be split over
-            # devices): the model checks that each of its trees takes the
-            # rounds of one data epoch, in order.
+            # devices): the model checks that each of its epochs takes
+            # distinct rounds of one epoch layout.
             epoch, position = divmod(round_index, self.rounds_per_epoch)
-            element["epoch_index"] = np.full(m, epoch, np.int32)
+            element["epoch_id"] = np.full(m, self._epoch_id(epoch), np.int32)
             element["round_in_epoch"] = np.full(m, position, np.int32)
         return element
 
@@ -1000,15 +1025,6 @@ def _layout(examples, steps, batch_size, rng):
         grid[step, :take] = order[position : position + take]
         position += take
     return grid
-
-
-def _rounds_for(num_clients, clients_per_round):
-    """R = ceil(P / M), with M = P / R (as a float) giving R back."""
-    ratio = num_clients / clients_per_round
-    nearest = round(ratio)
-    if abs(ratio - nearest) <= 1e-9 * ratio:
-        return max(1, nearest)
-    return math.ceil(ratio)
 
 
 def _epoch_positions(position, num_clients, rounds):

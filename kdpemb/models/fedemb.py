@@ -6,6 +6,7 @@ added once, and the server optimizer applies the noisy mean update to the
 backbone.
 """
 
+import contextlib
 import math
 import numbers
 import warnings
@@ -279,8 +280,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             `kdpemb.privacy.TreeAggregation` (RDP and zCDP ρ).
         tree_estimator: "standard" (default) or "efficient": Honaker's
             estimator, which combines every released tree node for a
-            lower-variance prefix sum at no privacy cost (it draws log2(R)
-            noise tensors per round instead of one). `noise="tree"` only.
+            lower-variance prefix sum at no privacy cost (it draws
+            floor(log2 R) + 1 noise tensors per round instead of one).
+            `noise="tree"` only.
 
     Example:
 
@@ -540,8 +542,12 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         schedule.privacy_mechanism(0.0, noise=self.noise)
         self._schedule = schedule
         if hasattr(self, "private_steps"):  # Built: else __init__ builds it.
-            self._build_tree_state()
-            self._build_epoch_state()
+            # At a fit under a tf.distribute strategy: its variables, like
+            # the model's, are created in its scope.
+            strategy = getattr(self, "_distribute_strategy", None)
+            with strategy.scope() if strategy else contextlib.nullcontext():
+                self._build_tree_state()
+                self._build_epoch_state()
 
     def _noised_variables(self):
         """The variables whose update is clipped, noised and applied."""
@@ -551,7 +557,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         return variables
 
     def _build_epoch_state(self):
-        """Rounds without sampling: the data epoch of the model's current
+        """Rounds without sampling: the layout id of the model's current
         epoch of rounds (-1: none yet), which of its rounds were taken, and
         a count of rounds refused because they did not belong to it (see
         `_epoch_aligned`)."""
@@ -754,8 +760,16 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             _check_rows_split(rows)
             self._head_columns = None
         arguments = privacy_plan.fit_arguments(args, kwargs)
-        self._check_epoch_alignment(arguments)
         verbose = privacy_plan.is_verbose(arguments)
+        if self._schedule.sampling == "epochs":
+            self._check_epoch_alignment(arguments)
+            # Checked again after every other callback (one may restore a
+            # model saved mid-epoch), and at every round.
+            callbacks = privacy_plan.with_guard(
+                arguments.get("callbacks"), _EpochGuard(), self
+            )
+            args, kwargs = (), {**arguments, "callbacks": callbacks}
+            arguments = privacy_plan.fit_arguments(args, kwargs)
         if self.target_epsilon is not None:
 
             def steps_of(initial_epoch):
@@ -799,14 +813,14 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         skipped = self._misaligned() - misaligned
         if skipped:
             raise RoundsOutOfEpochError(
-                f"{skipped} round(s) of this fit came from another data epoch "
-                "or position than the model's epoch of "
-                f"{self._schedule.steps_per_epoch} rounds expected, and were "
+                f"{skipped} round(s) of this fit were not rounds of the model's "
+                f"current epoch of {self._schedule.steps_per_epoch} rounds "
+                "(another epoch layout, or a round already taken) and were "
                 "not trained (they released nothing and are not counted): a "
                 "user could otherwise take part twice in one epoch of the "
-                "accounting. Fit on the VirtualClients itself (or its "
-                "to_tf_dataset()) with whole epochs; the model is as after "
-                "its last counted round."
+                "accounting. Training stopped there. Fit on the VirtualClients "
+                "itself (or its to_tf_dataset()) with whole epochs; the model "
+                "is as after its last counted round."
             )
         return history
 
@@ -821,10 +835,19 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         round: every fit must start at an epoch boundary and run whole
         epochs of R rounds, or a user could take part twice in what the
         accounting counts as one epoch (one tree)."""
-        schedule = self._schedule
-        if schedule is None or schedule.sampling != "epochs":
-            return
-        rounds = schedule.steps_per_epoch
+        self._check_whole_epochs()
+        rounds = self._schedule.steps_per_epoch
+        steps_per_epoch = arguments.get("steps_per_epoch")
+        if steps_per_epoch is not None and steps_per_epoch != rounds:
+            raise ValueError(
+                f"steps_per_epoch={steps_per_epoch}: with sampling='epochs' an "
+                f"epoch is the schedule's {rounds} rounds (each user at most "
+                "once). Leave steps_per_epoch None."
+            )
+
+    def _check_whole_epochs(self):
+        """Refuses to train a model whose last epoch was cut short."""
+        rounds = self._schedule.steps_per_epoch
         taken = protocol.read_private_steps(self)
         if taken % rounds:
             raise ValueError(
@@ -834,14 +857,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 "data, in which its users take part again, while the "
                 "accounting (and the tree noise) would count those rounds in "
                 "the unfinished epoch. Resume from a checkpoint saved at the "
-                "end of an epoch (ModelCheckpoint's default save_freq='epoch')."
-            )
-        steps_per_epoch = arguments.get("steps_per_epoch")
-        if steps_per_epoch is not None and steps_per_epoch != rounds:
-            raise ValueError(
-                f"steps_per_epoch={steps_per_epoch}: with sampling='epochs' an "
-                f"epoch is the schedule's {rounds} rounds (each user at most "
-                "once). Leave steps_per_epoch None."
+                "end of an epoch (ModelCheckpoint's and BackupAndRestore's "
+                "default save_freq='epoch')."
             )
 
     def _plan_budget(self, steps, verbose):
@@ -941,7 +958,16 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 )
             self._check_given_plan()
             privacy_plan.check_budget(self, 1)
-        return super().train_on_batch(*args, **kwargs)
+        misaligned = self._misaligned()
+        logs = super().train_on_batch(*args, **kwargs)
+        if self._misaligned() > misaligned:
+            raise RoundsOutOfEpochError(
+                "This round is not one of the rounds of the model's current "
+                f"epoch of {self._schedule.steps_per_epoch} rounds (another "
+                "epoch layout, or a round already taken): it was not trained "
+                "(it released nothing and is not counted)."
+            )
+        return logs
 
     def _check_clients(self, clients):
         """Checks the model against its `VirtualClients`, then adopts their
@@ -1117,22 +1143,31 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         return logs
 
     def _epoch_aligned(self, data):
-        """With rounds without sampling from `VirtualClients` (which say
-        their data epoch and position): whether this round belongs to the
-        model's current epoch of R rounds (a traced bool), else None.
+        """With rounds without sampling (`VirtualClients` rounds say their
+        epoch layout, `epoch_id`, and position): whether this round belongs
+        to the model's current epoch of R rounds (a traced bool).
 
         The accounting (and the tree) count a user once per epoch of R
         rounds from the model's first. So the R rounds of a model epoch
-        must be R distinct rounds of one data epoch, in any order (Keras
+        must be R distinct rounds of one epoch layout, in any order (Keras
         shuffles them). `fit` refuses what it can see up front; this
         catches the rest (a data pass cut short, a loader that serves an
         epoch's rounds to the next one): a round that does not belong
         releases nothing, is not counted, and `fit` then raises."""
-        if "round_in_epoch" not in data or self._schedule.sampling != "epochs":
+        if self._schedule.sampling != "epochs":
             return None
+        missing = [key for key in ("epoch_id", "round_in_epoch") if key not in data]
+        if missing:
+            raise ValueError(
+                f"Rounds without sampling (sampling='epochs') must say which "
+                f"epoch layout and position they are (keys {missing} are "
+                "missing), so that each user is counted once per epoch: "
+                "VirtualClients(..., sampling='epochs') adds them; a dataset "
+                "derived from its to_tf_dataset() must keep them."
+            )
         rounds = self._schedule.steps_per_epoch
         starts = ops.equal(self.private_steps.value % rounds, 0)
-        data_epoch = ops.cast(data["epoch_index"][0], "int32")
+        data_epoch = ops.cast(data["epoch_id"][0], "int32")
         data_position = ops.cast(data["round_in_epoch"][0], "int32")
         this_round = ops.cast(ops.equal(ops.arange(rounds), data_position), "int32")
         taken = ops.where(starts, 0, self.epoch_rounds_taken.value)
@@ -1246,6 +1281,22 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         config = dict(config)
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         return cls(**config)
+
+
+class _EpochGuard(keras.callbacks.Callback):
+    """Rounds without sampling: once every other callback has run its
+    `on_train_begin` (one may restore a model saved mid-epoch), refuses a
+    model whose last epoch was cut short, before any round; then stops
+    training at the first round that did not belong to the model's epoch
+    (`fit` raises after it)."""
+
+    def on_train_begin(self, logs=None):
+        self.model._check_whole_epochs()
+        self._misaligned = self.model._misaligned()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model._misaligned() > self._misaligned:
+            self.model.stop_training = True
 
 
 def _both(first, second):

@@ -259,11 +259,12 @@ class PlanGuard(keras.callbacks.Callback):
 
 def with_guard(callbacks, guard, model):
     """`callbacks` (a list, a `CallbackList` or None) with `guard` last
-    (replacing the guard of an earlier fit in a `CallbackList`)."""
+    (replacing a guard of the same type from an earlier fit in a
+    `CallbackList`)."""
     guard.set_model(model)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.callbacks[:] = [
-            c for c in callbacks.callbacks if not isinstance(c, PlanGuard)
+            c for c in callbacks.callbacks if not isinstance(c, type(guard))
         ] + [guard]
         return callbacks
     return [*(callbacks or ()), guard]

@@ -23,6 +23,7 @@ from kdpemb import _validation as validation
 Relation = dpa.NeighboringRelation
 
 UNITS = ("example", "user")
+INDEPENDENT_NOISE = "independent Gaussian noise each step"
 SAMPLINGS = ("poisson", "full_batch", "fixed")
 
 RELATION_NAMES = {
@@ -207,7 +208,7 @@ class Mechanism(abc.ABC):
 
     def describe_noise(self):
         """How the noise is drawn, in words."""
-        return "independent Gaussian noise each step"
+        return INDEPENDENT_NOISE
 
     def zcdp_rho(self, steps):
         """zCDP ρ of `steps` steps where the mechanism has a closed form
@@ -641,12 +642,14 @@ class TreeAggregation(Mechanism):
         full_epochs, rest = self._epochs(steps)
         if self.noise_multiplier == 0:
             return None if steps else 0.0
-        depth = full_epochs * tree_depth(
-            min(self.leaves_per_tree, self.steps_per_epoch)
-        )
+
+        def depth(epoch_steps):  # The deepest tree of the epoch.
+            return max(tree_depth(n) for n in self._epoch_trees(epoch_steps))
+
+        depths = full_epochs * depth(self.steps_per_epoch)
         if rest:
-            depth += tree_depth(min(self.leaves_per_tree, rest))
-        return depth / (2 * self.unit_noise_multiplier**2)
+            depths += depth(rest)
+        return depths / (2 * self.unit_noise_multiplier**2)
 
     def with_noise_multiplier(self, noise_multiplier):
         return dataclasses.replace(self, noise_multiplier=noise_multiplier)
@@ -658,18 +661,23 @@ class TreeAggregation(Mechanism):
         return validation.check_steps(math.ceil(exact))
 
     def describe_relation(self):
-        who = "all data of one user" if self.unit == "user" else "one example"
+        if self.unit == "example":
+            return (
+                "replace one example by a zero (null) record (that is add or "
+                "remove one example only where an example's step does not "
+                "depend on the other examples)"
+            )
         text = (
-            f"add or remove {who} (where a {self.unit} takes part never depends "
-            f"on other {self.unit}s, so that replaces their contribution by "
-            "zero)"
+            "add or remove all data of one user (VirtualClients places a user "
+            "by keyed hashes of the user's own id, never by the other users, "
+            "so the other users' contributions stay where they were)"
         )
         if self.users_per_client > 1:
-            text += (
+            return text + (
                 f"; with {self.users_per_client} users per virtual client that "
                 "changes one client's clipped update, by up to 2C"
             )
-        return text
+        return text + ": one clipped update (norm <= C) is replaced by zero"
 
     def describe_sampling(self):
         what = "virtual client" if self.unit == "user" else self.unit
@@ -680,7 +688,7 @@ class TreeAggregation(Mechanism):
 
     def describe_noise(self):
         if self.leaves_per_tree == 1:
-            return "independent Gaussian noise each step"
+            return INDEPENDENT_NOISE
         restart = (
             "restarted every epoch"
             if self.leaves_per_tree == self.steps_per_epoch
@@ -870,7 +878,7 @@ def tree_aggregation(
 ):
     """DP-FTRL: tree-aggregated noise, each unit in one step per epoch.
 
-    RDP accountant only (and `TreeAggregation.rho` for zCDP). For user-level
+    RDP accountant only (and `TreeAggregation.zcdp_rho` for zCDP). For user-level
     rounds over virtual clients, take the mechanism from
     `Schedule.virtual_clients(..., sampling="epochs")` instead.
 

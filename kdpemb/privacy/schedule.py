@@ -32,6 +32,20 @@ SAMPLINGS = (*mechanisms.SAMPLINGS, "epochs")
 NOISES = ("independent", "tree")
 
 
+def rounds_per_epoch_for(pool_size, clients_per_round):
+    """R = ceil(P / M): the rounds of an epoch without sampling, where
+    M = P / R (a float) gives R back.
+
+    >>> rounds_per_epoch_for(15, 15 / 13), rounds_per_epoch_for(20, 3)
+    (13, 7)
+    """
+    ratio = pool_size / clients_per_round
+    nearest = round(ratio)
+    if abs(ratio - nearest) <= 1e-9 * ratio:
+        return max(1, nearest)
+    return math.ceil(ratio)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Population, pool, expected sample, sampling and steps per round.
@@ -170,8 +184,23 @@ class Schedule:
         )
         if sampling == "full_batch" and clients_per_round is None:
             clients_per_round = pool
-        if sampling == "epochs" and clients_per_round is None and rounds_per_epoch:
-            clients_per_round = pool / rounds_per_epoch
+        if sampling == "epochs" and rounds_per_epoch is not None:
+            rounds_per_epoch = validation.check_positive_int(
+                rounds_per_epoch, "rounds_per_epoch"
+            )
+            implied = pool / rounds_per_epoch
+            if clients_per_round is not None:
+                given = validation.check_positive(
+                    clients_per_round, "clients_per_round"
+                )
+                if rounds_per_epoch_for(pool, given) != rounds_per_epoch:
+                    raise ValueError(
+                        f"clients_per_round={given:g} and rounds_per_epoch="
+                        f"{rounds_per_epoch} disagree: {pool} virtual clients in "
+                        f"{rounds_per_epoch} rounds are {implied:.4g} per round. "
+                        "Pass only one."
+                    )
+            clients_per_round = implied
         clients_per_round = validation.check_positive(
             clients_per_round, "clients_per_round"
         )
@@ -184,10 +213,8 @@ class Schedule:
             )
         steps_per_epoch = None
         if sampling == "epochs":
-            steps_per_epoch = validation.check_positive_int(
-                # Rounded first: M = P / R given back must give R again.
-                rounds_per_epoch or math.ceil(round(pool / clients_per_round, 9)),
-                "rounds_per_epoch",
+            steps_per_epoch = rounds_per_epoch or rounds_per_epoch_for(
+                pool, clients_per_round
             )
             if steps_per_epoch > pool:
                 raise ValueError(

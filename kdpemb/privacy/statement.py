@@ -7,6 +7,7 @@ import math
 
 from kdpemb import _validation as validation
 from kdpemb.privacy.accountant import Accountant
+from kdpemb.privacy.mechanisms import INDEPENDENT_NOISE
 from kdpemb.version import __version__
 
 # The "kind" of a `DeploymentStatement`'s dict (kdpemb.privacy.deployment).
@@ -78,7 +79,7 @@ class PrivacyStatement:
     clip_norm: float | None
     sampling_probability: float | None
     population: int
-    noise_description: str = "independent Gaussian noise each step"  # Mechanism's.
+    noise_description: str = INDEPENDENT_NOISE
     rho: float | None = None
     mechanism: dict = dataclasses.field(default_factory=dict, compare=False)
     kdpemb_version: str = __version__
@@ -141,7 +142,7 @@ class PrivacyStatement:
             f"{self.steps} step{'' if self.steps == 1 else 's'}",
             f"sampling: {self.sampling_description}",
         ]
-        if self.noise_description != _INDEPENDENT_NOISE:
+        if self.noise_description != INDEPENDENT_NOISE:
             parts.append(f"noise: {self.noise_description}")
         if self.rho is not None and self.is_private:
             parts.insert(1, f"ρ = {self.rho:.4g} zCDP")
@@ -223,9 +224,6 @@ class PrivacyStatement:
 
     def __str__(self):
         return text_table(self.title, self.rows())
-
-
-_INDEPENDENT_NOISE = "independent Gaussian noise each step"
 
 
 def rich_table(title, rows):

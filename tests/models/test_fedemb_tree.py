@@ -58,12 +58,29 @@ def tree_model(noise_multiplier=1.0, clip_norm=1.0, momentum=0.0, **overrides):
     return model
 
 
-def empty_round(seed=0):
-    return ref.make_round(seed, classes=(), steps=3)
+def positioned(data, index, rounds_per_epoch=ROUNDS_PER_EPOCH):
+    """Round `index` of a run: the epoch layout and position that
+    `VirtualClients(sampling="epochs")` puts on every row."""
+    epoch, position = divmod(index, rounds_per_epoch)
+    rows = data["client_mask"].shape[0]
+    return dict(
+        data,
+        epoch_id=np.full(rows, epoch, "int32"),
+        round_in_epoch=np.full(rows, position, "int32"),
+    )
 
 
-def data_rounds(count):
-    return [ref.make_round(seed, classes=(3, 2), steps=3) for seed in range(count)]
+def empty_round(index=0):
+    return positioned(ref.make_round(index, classes=(), steps=3), index)
+
+
+def data_rounds(count, rounds_per_epoch=ROUNDS_PER_EPOCH):
+    return [
+        positioned(
+            ref.make_round(seed, classes=(3, 2), steps=3), seed, rounds_per_epoch
+        )
+        for seed in range(count)
+    ]
 
 
 def open_noise(model):
@@ -107,7 +124,7 @@ def test_a_resumed_model_adds_the_noise_of_an_uninterrupted_run(tmp_path, estima
     # Seeded (tests only): 3 rounds, save, load, 2 more rounds, mid-tree,
     # against 5 rounds in one go. The open nodes drawn before the save are
     # subtracted after it, so they must come back exactly.
-    rounds = data_rounds(5)
+    rounds = data_rounds(5, rounds_per_epoch=8)
     settings = {"schedule": epochs_schedule(8), "tree_estimator": estimator}
     uninterrupted = tree_model(**settings)
     for data in rounds:
@@ -259,10 +276,11 @@ def test_rounds_out_of_their_epoch_are_not_trained_and_the_fit_raises(order):
         served = [clients.round(i) for i in (1, 0, rounds + 2, rounds + 3)]
     model = tree_model(schedule=clients.schedule)
     start = ref.kernel_of(model.backbone).copy()
-    with pytest.raises(RoundsOutOfEpochError, match="2 round"):
+    with pytest.raises(RoundsOutOfEpochError, match="1 round"):
         model.fit(ref.Rounds(served), epochs=1, verbose=0, shuffle=False)
     # The first two (distinct rounds of one data epoch, in any order) were
-    # trained; the refused ones released nothing and are not counted.
+    # trained; training stopped at the third, which released nothing and
+    # is not counted.
     assert protocol.read_private_steps(model) == 2
     after_two = tree_model(schedule=clients.schedule)
     after_two.fit(ref.Rounds(served[:2]), epochs=1, verbose=0, shuffle=False)
@@ -270,3 +288,76 @@ def test_rounds_out_of_their_epoch_are_not_trained_and_the_fit_raises(order):
         ref.kernel_of(model.backbone), ref.kernel_of(after_two.backbone), atol=1e-6
     )
     assert not np.allclose(ref.kernel_of(model.backbone), start)
+
+
+def test_rounds_of_another_layout_are_refused():
+    # A restarted job draws a new sampling seed, hence a new layout: its
+    # epoch-0 rounds must not fill the rest of an epoch begun with the old.
+    from kdpemb.errors import RoundsOutOfEpochError
+
+    first, second = epochs_clients(seed=0), epochs_clients(seed=1)
+    served = [first.round(0), first.round(1), second.round(2), second.round(3)]
+    model = tree_model(schedule=first.schedule)
+    with pytest.raises(RoundsOutOfEpochError, match="1 round"):
+        model.fit(ref.Rounds(served), epochs=1, verbose=0, shuffle=False)
+    assert protocol.read_private_steps(model) == 2  # Stopped at the first.
+
+
+def test_a_mid_epoch_restore_by_a_callback_is_refused_before_any_round():
+    class RestoresMidEpoch(keras.callbacks.Callback):  # As BackupAndRestore
+        def on_train_begin(self, logs=None):  # with save_freq=<int> would.
+            self.model.private_steps.assign(1)
+
+    clients = epochs_clients()
+    model = tree_model(schedule=clients.schedule)
+    start = ref.kernel_of(model.backbone).copy()
+    with pytest.raises(ValueError, match="not a whole number of epochs"):
+        model.fit(clients, epochs=1, verbose=0, callbacks=[RestoresMidEpoch()])
+    assert protocol.read_private_steps(model) == 1
+    np.testing.assert_array_equal(ref.kernel_of(model.backbone), start)
+
+
+def test_rounds_without_their_position_are_refused():
+    clients = epochs_clients()
+    model = tree_model(schedule=clients.schedule)
+    data = clients.round(0)
+    del data["epoch_id"]
+    with pytest.raises(ValueError, match="epoch_id"):
+        model.train_on_batch(data)
+    assert protocol.read_private_steps(model) == 0
+
+
+def test_a_round_past_the_plan_moves_no_tree_node():
+    snapshots = []
+
+    class JumpsToThePlan(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:  # A callback moves the counter to the plan's end.
+                self.model.private_steps.assign(self.model.planned_steps)
+                snapshots.append(open_noise(self.model))
+
+    model = tree_model(noise_multiplier=None, target_epsilon=8.0, planned_steps=4)
+    model.fit(
+        ref.Rounds([empty_round(i) for i in range(4)]),
+        verbose=0,
+        callbacks=[JumpsToThePlan()],
+    )
+    assert protocol.read_private_steps(model) == 4
+    np.testing.assert_array_equal(open_noise(model), snapshots[0])
+
+
+def test_a_model_that_took_its_schedule_from_the_clients_saves_and_resumes(
+    tmp_path,
+):
+    clients = epochs_clients()
+    model = tree_model(schedule=None)
+    model.fit(clients, epochs=1, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        loaded = keras.saving.load_model(path)
+    assert loaded.schedule == clients.schedule
+    np.testing.assert_array_equal(open_noise(loaded), open_noise(model))
+    loaded.fit(clients, epochs=1, verbose=0)
+    assert protocol.read_private_steps(loaded) == 2 * clients.rounds_per_epoch

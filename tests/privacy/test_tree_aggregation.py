@@ -107,26 +107,6 @@ def test_epsilon_is_dp_accountings_for_the_same_trees(z, rounds, steps, k, leave
     assert statement.epsilon < classic
 
 
-def test_a_client_twice_in_an_epoch_breaks_the_accounting():
-    # The accounting assumes a unit in at most one leaf of a tree. A
-    # unit in two leaves of one tree touches more nodes (or the same node
-    # twice): brute force over a tree of 8 leaves shows the squared
-    # sensitivity exceeds what the mechanism counts.
-    mechanism = privacy.tree_aggregation(1.0, steps_per_epoch=8, num_examples=100)
-    counted = 2 * mechanism.zcdp_rho(8)  # Σ nodes · 1² at z = 1.
-    worst_twice = 0
-    for first in range(8):
-        for second in range(first + 1, 8):
-            squared = 0
-            size = 1
-            while size <= 8:
-                a, b = first // size, second // size
-                squared += 4 if a == b else 2  # Shared node moves by 2C.
-                size *= 2
-            worst_twice = max(worst_twice, squared)
-    assert worst_twice > counted
-
-
 def test_poster_rho_1_28_is_rdp_epsilon_9_67_at_delta_1e_7():
     # DP-FTRL-FedEmb "0.26×64": z = 16.64 per node. ρ = 1.28 and RDP
     # ε = 9.67 at δ = 1e-7 are consistent only for Σ depths = 708

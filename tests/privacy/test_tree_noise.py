@@ -122,18 +122,20 @@ def test_the_efficient_estimator_lowers_every_prefix_variance():
     )
 
 
-def test_the_check_catches_a_reused_node(monkeypatch):
+@pytest.mark.parametrize("efficient", [False, True], ids=["standard", "efficient"])
+def test_the_check_catches_a_reused_node(monkeypatch, efficient):
     # A closed node that is not subtracted stays in every later prefix sum
     # beside its parent: the same noise counted twice.
     def off_by_one(levels, new_level):
         return keras.ops.cast(keras.ops.arange(levels) < new_level - 1, "float32")
 
     monkeypatch.setattr(tree_noise, "_closing_levels", off_by_one)
-    noises = run_tree(range(1, 12), efficient=False)
-    assert covariance_mismatch(noises, expected_covariance(11, False)) > 20.0
+    noises = run_tree(range(1, 12), efficient=efficient)
+    assert covariance_mismatch(noises, expected_covariance(11, efficient)) > 20.0
 
 
-def test_the_check_catches_a_dropped_node(monkeypatch):
+@pytest.mark.parametrize("efficient", [False, True], ids=["standard", "efficient"])
+def test_the_check_catches_a_dropped_node(monkeypatch, efficient):
     draws = []
     normal = keras.random.normal
 
@@ -143,8 +145,8 @@ def test_the_check_catches_a_dropped_node(monkeypatch):
         return value * 0.0 if len(draws) == 3 else value
 
     monkeypatch.setattr(tree_noise.keras.random, "normal", drops_the_third)
-    noises = run_tree(range(1, 12), efficient=False)
-    assert covariance_mismatch(noises, expected_covariance(11, False)) > 20.0
+    noises = run_tree(range(1, 12), efficient=efficient)
+    assert covariance_mismatch(noises, expected_covariance(11, efficient)) > 20.0
 
 
 def test_a_restart_starts_a_new_tree_independent_of_the_last():
