@@ -308,7 +308,6 @@ class Study:
         }
 
     def ftrl(self, **overrides):
-
         from kdpemb.data import VirtualClients
         from kdpemb.models import FedEmbModel
 
