@@ -117,25 +117,40 @@ SCENARIOS = {
         "client_optimizer": 0.05,
         "adaptive_clipping": AdaptiveClipping(0.5, 0.5, count_stddev=0.5),
     },
+    # DP-FTRL: rounds without sampling (twice the users: P = 16 slots in
+    # R = 2 rounds of M_max = 8 rows), the server step is the tree's noise
+    # alone; the tree state must stay one across the devices.
+    "tree": {
+        "clip_norm": NOISE_CLIP,
+        "noise_multiplier": NOISE_MULTIPLIER,
+        "client_optimizer": 1e-30,
+        "noise": "tree",
+        "sampling": "epochs",
+    },
 }
 
 
-def make_clients():
+def make_clients(sampling="poisson"):
     """A fresh `VirtualClients`: the same seeds give the same rounds."""
+    users = NUM_USERS if sampling == "poisson" else 2 * NUM_USERS
     data = synthetic_identities(
-        NUM_USERS, IMAGES_PER_USER, image_size=IMAGE_SIZE, channels=1, seed=DATA_SEED
+        users, IMAGES_PER_USER, image_size=IMAGE_SIZE, channels=1, seed=DATA_SEED
     )
+    sampled = {
+        "clients_per_round": CLIENTS_PER_ROUND,
+        "max_clients_per_round": MAX_CLIENTS,
+    }
     return VirtualClients(
         data,
-        clients_per_round=CLIENTS_PER_ROUND,
         users_per_client=USERS_PER_CLIENT,
-        num_clients=NUM_USERS // USERS_PER_CLIENT,
+        num_clients=users // USERS_PER_CLIENT,
         local_steps=LOCAL_STEPS,
         batch_size=BATCH_SIZE,
-        max_clients_per_round=MAX_CLIENTS,
         rounds_per_epoch=ROUNDS,
         seed=SAMPLING_SEED,
         workers=1,
+        sampling=sampling,
+        **(sampled if sampling == "poisson" else {}),
     )
 
 
@@ -230,7 +245,8 @@ def record_served_rounds(clients):
 def fit(settings, distributed):
     """Builds a model (in the strategy's scope if TensorFlow and
     `distributed`), fits it on `ROUNDS` rounds, and reports what happened."""
-    clients = make_clients()
+    settings = dict(settings)
+    clients = make_clients(settings.pop("sampling", "poisson"))
     served = record_served_rounds(clients)
     report = {"served": served}
     if distributed and BACKEND == "tensorflow":

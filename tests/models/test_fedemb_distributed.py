@@ -180,6 +180,23 @@ def test_noise_is_added_once_per_round_and_fresh_each_round(results, where):
     assert abs(correlation) < 6 / np.sqrt(changes[0].size)
 
 
+def test_tree_noise_is_drawn_once_and_its_state_kept_as_on_one_device(results):
+    # The server steps are the tree's noise alone (the updates vanish): the
+    # distributed rounds add the single device's noise, round by round, so
+    # the noise is added once and the open nodes stay one state.
+    single = scenario(results, "single/tree")
+    distributed = scenario(results, "distributed/tree")
+    assert distributed["served"] == single["served"]
+    changes = round_changes(single)
+    assert len(changes) == setup.ROUNDS
+    for change in changes:
+        assert np.std(change) > 0.5 * NOISE_STD  # Noise was added.
+    for ours, theirs in zip(
+        distributed["after_round"], single["after_round"], strict=True
+    ):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("where", ["single", "distributed"])
 @pytest.mark.parametrize("name", sorted(setup.SCENARIOS))
 def test_private_steps_counts_one_per_round(results, where, name):
