@@ -94,8 +94,10 @@ class StudyConfig:
     clip_norm: float = 1.0
     noise_multiplier: float = 0.01
     adaptive_quantile: float = 0.0  # > 0: adaptive clipping from clip_norm.
-    # DP-FTRL: rounds per epoch (0: the divisor of `rounds` closest to P / M).
+    # DP-FTRL: rounds per epoch (0: the divisor of `rounds` closest to P / M)
+    # and the tree's estimator ("standard" or Honaker's "efficient").
     ftrl_rounds_per_epoch: int = 0
+    ftrl_estimator: str = "standard"
     # The simulated deployment that states ε.
     deployment_scale: float = 256.0
     deployment_users: int = 10_000_000
@@ -340,6 +342,7 @@ class Study:
                 clip_norm=cfg.clip_norm,
                 noise_multiplier=noise_multiplier,
                 noise="tree",
+                tree_estimator=cfg.ftrl_estimator,
                 seed=self.seed,
             )
         model.compile(optimizer=self._server(cfg))
