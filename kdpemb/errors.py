@@ -18,6 +18,7 @@ __all__ = [
     "CalibrationError",
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
+    "DegenerateFeaturesWarning",
     "NonFiniteFeaturesError",
     "PrivacyBudgetExhaustedError",
     "PrivacyWarning",
@@ -68,6 +69,11 @@ class NonFiniteFeaturesError(ValueError):
     def __init__(self, message, summary=""):
         super().__init__(message)
         self.summary = summary
+
+
+class DegenerateFeaturesWarning(UserWarning):
+    """Most feature rows are (near) zero at the clip scale: a private head
+    would learn nothing (e.g. an untrained backbone's features)."""
 
 
 class CalibrationError(ValueError):
