@@ -26,6 +26,7 @@ __all__ = [
     "ReproducibleSamplingWarning",
     "RoundTruncationError",
     "RoundsOutOfEpochError",
+    "SmallPopulationWarning",
     "UnsupportedBackendError",
     "UnsupportedLayerError",
     "UnsupportedMechanismError",
@@ -49,6 +50,15 @@ class DataDependentScheduleWarning(PrivacyWarning):
 
     E.g. the number of virtual clients P = ceil(N / k) computed from the
     private user count N: pass `num_clients` from a public count instead.
+    """
+
+
+class SmallPopulationWarning(PrivacyWarning):
+    """The population is a single unit (user or example).
+
+    Its neighbouring dataset is the empty one, so the guarantee is about
+    all of the data: the model is useless or discloses that unit's data,
+    and δ < 1/population rules out nothing.
     """
 
 
