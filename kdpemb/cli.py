@@ -28,6 +28,7 @@ import math
 import re
 import sys
 
+from kdpemb import _validation as validation
 from kdpemb.errors import CalibrationError, UnsupportedMechanismError
 from kdpemb.privacy import mechanisms
 from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant
@@ -274,7 +275,7 @@ def check_flags(args):
             f"--delta {args.delta:g} is not below 1/population = 1/{population} "
             f"({who} {population}): a δ that large allows publishing one "
             f"{unit}'s data outright. Choose --delta well below 1/{population}, "
-            f"e.g. {10.0 ** math.floor(math.log10(0.1 / population)):.0e}."
+            f"e.g. {validation._suggest_delta(population):.0e}."
         )
     batch, sampling = args.batch_size, _sampling_of(args)
     if args.num_examples is not None and batch is not None:

@@ -727,8 +727,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         from the `VirtualClients` once, or compared with the model's),
         the round shape, the image shape against the backbone's input
         (`VirtualClients.image_shape`, or the dataset's element spec; None
-        dimensions match anything), and, under a `tf.distribute` strategy of several
-        replicas, that the number of rounds is known (a dataset of
+        dimensions match anything), and, under a `tf.distribute` strategy
+        of several replicas, that the number of rounds is known (a dataset of
         unknown or infinite cardinality needs `steps_per_epoch`). Warns
         with `DataDependentScheduleWarning` when P is not a public count.
         """
