@@ -24,14 +24,17 @@ It does not import Keras, so it answers in about two seconds.
 
 import argparse
 import json
+import math
+import re
 import sys
 
+from kdpemb import _validation as validation
 from kdpemb.errors import CalibrationError, UnsupportedMechanismError
 from kdpemb.privacy import mechanisms
 from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant
 from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.deployment import simulated_deployment
-from kdpemb.privacy.schedule import Schedule
+from kdpemb.privacy.schedule import Schedule, rounds_per_epoch_for
 from kdpemb.privacy.statement import PrivacyStatement
 from kdpemb.version import __version__
 
@@ -198,6 +201,130 @@ def build_parser():
     return parser
 
 
+# Every numeric flag, with the values it takes. Checked before anything is
+# built, so an error names the flag (not the library's argument).
+_NUMERIC_FLAGS = (
+    ("num_examples", "count"),
+    ("num_users", "count"),
+    ("batch_size", "positive"),
+    ("clients_per_round", "positive"),
+    ("users_per_client", "count"),
+    ("steps_per_epoch", "count"),
+    ("clip_norm", "positive"),
+    ("epochs", "positive"),
+    ("steps", "count"),
+    ("delta", "probability"),
+    ("noise_multiplier", "non_negative"),
+    ("target_epsilon", "positive"),
+    ("deployment_scale", "scale"),
+    ("deployment_users", "count"),
+    ("deployment_clients", "count"),
+)
+_RULES = {
+    "count": (lambda v: v >= 1, "must be at least 1"),
+    "positive": (lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
+    "non_negative": (
+        lambda v: math.isfinite(v) and v >= 0,
+        "must be a finite number >= 0 (0 is no noise: ε = ∞)",
+    ),
+    "probability": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "scale": (
+        lambda v: math.isfinite(v) and v >= 1,
+        "must be a finite number >= 1 (1 is the run itself)",
+    ),
+}
+# The library's names of arguments that the flags set, as the flags, for
+# the checks left to the library (a deployment's, a calibration's).
+_LIBRARY_NAMES = (
+    (r"\bdeployment_users\b", "--deployment-users"),
+    (r"\bdeployment_clients\b", "--deployment-clients"),
+    (r"\busers_per_client\b", "--users-per-client"),
+    (r"\bscale (?=<=|>=|must)", "--deployment-scale "),
+    (r"\btarget_epsilon=", "--target-epsilon="),
+    (r"\bdelta=", "--delta="),
+    (r"\bdelta(?= well below)", "--delta"),
+)
+
+
+def _in_flags(error):
+    """`error`'s message with the library's argument names as flags."""
+    message = str(error)
+    for name, flag in _LIBRARY_NAMES:
+        message = re.sub(name, flag, message)
+    return message
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_flags(args):
+    """Refuses bad numeric flags and combinations, naming the flags."""
+    for name, rule in _NUMERIC_FLAGS:
+        value = getattr(args, name, None)
+        ok, text = _RULES[rule]
+        if value is not None and not ok(value):
+            shown = value if isinstance(value, int) else f"{value:g}"
+            raise ValueError(f"{_flag(name)} {text}, got {shown}.")
+    if args.num_examples is not None:
+        population, who, unit = args.num_examples, "--num-examples", "example"
+    else:
+        population, who, unit = args.num_users, "--num-users", "user"
+    if args.delta >= 1 / population:
+        raise ValueError(
+            f"--delta {args.delta:g} is not below 1/population = 1/{population} "
+            f"({who} {population}): a δ that large allows publishing one "
+            f"{unit}'s data outright. Choose --delta well below 1/{population}, "
+            f"e.g. {validation._suggest_delta(population):.0e}."
+        )
+    batch, sampling = args.batch_size, _sampling_of(args)
+    if args.num_examples is not None and batch is not None:
+        if sampling in ("poisson", "fixed") and batch > population:
+            raise ValueError(
+                f"--batch-size {batch:g} is more than --num-examples "
+                f"{population}: a step samples at most every example. Use at "
+                "most that many, or --sampling full-batch."
+            )
+        if sampling == "fixed" and batch != int(batch):
+            raise ValueError(
+                f"--batch-size {batch:g} with --sampling fixed must be a whole "
+                "number: every step draws exactly that many examples."
+            )
+    if args.num_users is not None:
+        k = args.users_per_client
+        if k > population:
+            raise ValueError(
+                f"--users-per-client {k} is more than --num-users {population}: "
+                f"use at most {population}."
+            )
+        pool = -(-population // k)
+        where = (
+            f"the {pool} virtual clients that --num-users {population} make "
+            f"with --users-per-client {k}"
+        )
+        clients, steps_per_epoch = args.clients_per_round, args.steps_per_epoch
+        if clients is not None and clients > pool:
+            raise ValueError(
+                f"--clients-per-round {clients:g} is more than {where}. Use at "
+                f"most {pool} clients per round, or fewer users per client."
+            )
+        if sampling == "epochs" and steps_per_epoch is not None:
+            if steps_per_epoch > pool:
+                raise ValueError(
+                    f"--steps-per-epoch {steps_per_epoch} is more than {where}: "
+                    f"some steps would always be empty. Use at most {pool}."
+                )
+            if clients is not None and (
+                rounds_per_epoch_for(pool, clients) != steps_per_epoch
+            ):
+                raise ValueError(
+                    f"--clients-per-round {clients:g} and --steps-per-epoch "
+                    f"{steps_per_epoch} disagree: {pool} virtual clients in "
+                    f"{steps_per_epoch} steps are {pool / steps_per_epoch:.4g} "
+                    "per step. Pass only one."
+                )
+
+
 def _sampling_of(args):
     noise = _MECHANISMS[args.mechanism]
     if args.sampling is None:
@@ -225,7 +352,7 @@ def _epochs_mechanism(args, noise_multiplier):
                 raise ValueError(
                     "--sampling epochs needs --steps-per-epoch or --batch-size."
                 )
-            steps_per_epoch = -(-args.num_examples // int(args.batch_size))
+            steps_per_epoch = rounds_per_epoch_for(args.num_examples, args.batch_size)
         return mechanisms.tree_aggregation(
             noise_multiplier,
             steps_per_epoch,
@@ -304,8 +431,6 @@ def mechanism_from_args(args, noise_multiplier):
             clip_norm=args.clip_norm,
         )
     if args.steps is not None:
-        if args.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {args.steps}.")
         steps = args.steps
     else:
         steps = mechanism.steps_for_epochs(args.epochs)
@@ -334,20 +459,24 @@ def _deployment_from_args(args):
         users_per_client=args.users_per_client,
         sampling=_sampling_of(args),
     )
-    return simulated_deployment(
-        schedule,
-        args.noise_multiplier,
-        steps,
-        scale=args.deployment_scale,
-        deployment_users=args.deployment_users,
-        deployment_clients=args.deployment_clients,
-        delta=args.delta,
-        clip_norm=args.clip_norm,
-        accountant=args.accountant or "pld",
-    )
+    try:
+        return simulated_deployment(
+            schedule,
+            args.noise_multiplier,
+            steps,
+            scale=args.deployment_scale,
+            deployment_users=args.deployment_users,
+            deployment_clients=args.deployment_clients,
+            delta=args.delta,
+            clip_norm=args.clip_norm,
+            accountant=args.accountant or "pld",
+        )
+    except ValueError as error:  # Its arguments are these flags.
+        raise ValueError(_in_flags(error)) from None
 
 
 def _run(args):
+    check_flags(args)
     if args.action == "epsilon":
         deployment = _deployment_from_args(args)
         if deployment is not None:
@@ -358,13 +487,16 @@ def _run(args):
             mechanism, steps, args.delta, args.accountant
         ), {}
     template, steps = mechanism_from_args(args, 1.0)
-    noise = calibrate_noise_multiplier(
-        template,
-        steps,
-        args.delta,
-        target_epsilon=args.target_epsilon,
-        accountant=args.accountant,
-    )
+    try:
+        noise = calibrate_noise_multiplier(
+            template,
+            steps,
+            args.delta,
+            target_epsilon=args.target_epsilon,
+            accountant=args.accountant,
+        )
+    except CalibrationError as error:
+        raise CalibrationError(_in_flags(error)) from None
     statement = PrivacyStatement.compute(
         template.with_noise_multiplier(noise), steps, args.delta, args.accountant
     )

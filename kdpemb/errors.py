@@ -18,6 +18,7 @@ __all__ = [
     "CalibrationError",
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
+    "DegenerateFeaturesWarning",
     "NonFiniteFeaturesError",
     "PrivacyBudgetExhaustedError",
     "PrivacyWarning",
@@ -25,6 +26,7 @@ __all__ = [
     "ReproducibleSamplingWarning",
     "RoundTruncationError",
     "RoundsOutOfEpochError",
+    "SmallPopulationWarning",
     "UnsupportedBackendError",
     "UnsupportedLayerError",
     "UnsupportedMechanismError",
@@ -51,6 +53,15 @@ class DataDependentScheduleWarning(PrivacyWarning):
     """
 
 
+class SmallPopulationWarning(PrivacyWarning):
+    """The population is a single unit (user or example).
+
+    Its neighbouring dataset is the empty one, so the guarantee is about
+    all of the data: the model is useless or discloses that unit's data,
+    and δ < 1/population rules out nothing.
+    """
+
+
 class UnsupportedBackendError(ImportError):
     """Keras is set to a backend kdpemb does not support."""
 
@@ -68,6 +79,11 @@ class NonFiniteFeaturesError(ValueError):
     def __init__(self, message, summary=""):
         super().__init__(message)
         self.summary = summary
+
+
+class DegenerateFeaturesWarning(UserWarning):
+    """Most feature rows are (near) zero at the clip scale: a private head
+    would learn nothing (e.g. an untrained backbone's features)."""
 
 
 class CalibrationError(ValueError):

@@ -236,29 +236,7 @@ class _BackboneSpec:
         return images.astype(target, copy=False)
 
     def check_image_shape(self, shape, where, stream):
-        expected = self.input_shape[1:]
-        got = tuple(shape[1:])
-        if len(got) == len(expected) and all(
-            e is None or e == g for e, g in zip(expected, got, strict=True)
-        ):
-            return
-        fix = "Resize the images or build the backbone for their shape."
-        if (
-            stream
-            and len(shape) == len(expected)
-            and all(e is None or e == g for e, g in zip(expected, shape, strict=True))
-        ):
-            fix = (
-                "It seems to yield single images, not batches; batch it first "
-                "(e.g. dataset.batch(256))."
-            )
-        elif len(got) == len(expected) - 1 and expected[-1] == 1:
-            fix = "Add the channel axis: images[..., None]."
-        raise ValueError(
-            f"The backbone takes images of shape {inputs.shape_text(expected)} (its "
-            f"input is {inputs.shape_text(self.input_shape)}), but {where} has images "
-            f"of shape {inputs.shape_text(got)}. {fix}"
-        )
+        inputs.check_input_shape(self.input_shape, shape, where, stream=stream)
 
     def run(self, images, where, first):
         try:

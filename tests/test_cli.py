@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -164,7 +165,7 @@ USERS = ("--num-users", "100", "--clients-per-round", "30", "--users-per-client"
             "--accountant rdp",
         ),
         (epsilon_argv("--clients-per-round", "5"), "--clients-per-round is for user"),
-        (epsilon_argv(noise="-1"), "noise_multiplier must be >= 0"),
+        (epsilon_argv(noise="-1"), "--noise-multiplier must be a finite number >= 0"),
         (
             [
                 "privacy",
@@ -289,11 +290,11 @@ def test_deployment_with_non_integer_clients_per_round(capsys):
         (("--deployment-users", "10000000"), "needs both --deployment-scale"),
         (
             ("--deployment-scale", "128", "--deployment-users", "200000"),
-            "Use deployment_users >= 262144",
+            "Use --deployment-users >= 262144",
         ),
         (
             ("--deployment-scale", "0.5", "--deployment-users", "200000"),
-            "scale must be >= 1",
+            "--deployment-scale must be a finite number >= 1",
         ),
         (
             (
@@ -307,14 +308,14 @@ def test_deployment_with_non_integer_clients_per_round(capsys):
                 *("--users-per-client", "4", "--deployment-scale", "2"),
                 *("--deployment-users", "200000", "--deployment-clients", "100"),
             ),
-            "deployment_clients=100 is outside [50000, 200000]",
+            "--deployment-clients=100 is outside [50000, 200000]",
         ),
         (
             (
                 *("--users-per-client", "4", "--deployment-scale", "64"),
                 *("--deployment-users", "200000", "--deployment-clients", "60000"),
             ),
-            "Use deployment_clients >= 131072, or scale <= 29.29.",
+            "Use --deployment-clients >= 131072, or --deployment-scale <= 29.29.",
         ),
     ],
 )
@@ -391,3 +392,149 @@ def test_fixed_size_sampling_is_accounted_with_rdp_by_default(capsys):
         mechanism.privacy_mechanism(1.0), 9, 1e-5, accountant="rdp"
     )
     assert data["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+EXAMPLES = ("--num-examples", "1000", "--batch-size", "10")
+RUN = ("--steps", "9", "--noise-multiplier", "1", "--delta", "1e-5")
+USER_RUN = (
+    *("--num-users", "1000", "--clients-per-round", "10", "--steps", "9"),
+    *("--noise-multiplier", "1", "--delta", "1e-5"),
+)
+
+
+def replace_flag(argv, flag, value):
+    """`argv` with `flag`'s value set to `value` (added if absent)."""
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    return argv
+
+
+# Every numeric flag, a run it belongs to, and values it refuses.
+NUMERIC_FLAGS = {
+    "--num-examples": ("epsilon", (*EXAMPLES, *RUN), ("-3", "0")),
+    "--num-users": ("epsilon", USER_RUN, ("-3", "0")),
+    "--batch-size": ("epsilon", (*EXAMPLES, *RUN), ("-3", "0", "nan", "inf")),
+    "--clients-per-round": ("epsilon", USER_RUN, ("-3", "0", "nan")),
+    "--users-per-client": ("epsilon", USER_RUN, ("-3", "0")),
+    "--steps": ("epsilon", (*EXAMPLES, *RUN), ("-3", "0")),
+    "--epochs": (
+        "epsilon",
+        (*EXAMPLES, "--epochs", "1", "--noise-multiplier", "1", "--delta", "1e-5"),
+        ("-3", "0", "nan", "inf"),
+    ),
+    "--noise-multiplier": ("epsilon", (*EXAMPLES, *RUN), ("-3", "nan", "inf")),
+    "--delta": ("epsilon", (*EXAMPLES, *RUN), ("-3", "0", "1", "2", "nan")),
+    "--target-epsilon": (
+        "calibrate",
+        (*EXAMPLES, "--steps", "9", "--target-epsilon", "1", "--delta", "1e-5"),
+        ("-3", "0", "nan", "inf"),
+    ),
+    "--clip-norm": ("epsilon", (*EXAMPLES, *RUN), ("-3", "0", "nan", "inf")),
+    "--steps-per-epoch": (
+        "epsilon",
+        (*EXAMPLES, *RUN, "--sampling", "epochs"),
+        ("-3", "0"),
+    ),
+    "--deployment-scale": (
+        "epsilon",
+        (*USER_RUN, "--deployment-scale", "2", "--deployment-users", "2000"),
+        ("-3", "0", "0.5", "nan"),
+    ),
+    "--deployment-users": (
+        "epsilon",
+        (*USER_RUN, "--deployment-scale", "2", "--deployment-users", "2000"),
+        ("-3", "0", "10"),
+    ),
+    "--deployment-clients": (
+        "epsilon",
+        (*USER_RUN, "--deployment-scale", "2", "--deployment-users", "2000"),
+        ("-3", "0", "10"),
+    ),
+}
+INTERNAL_NAMES = (
+    *("sample_size", "num_examples", "num_users", "clients_per_round"),
+    *("users_per_client", "steps_per_epoch", "rounds_per_epoch", "noise_multiplier"),
+    *("target_epsilon", "clip_norm", "deployment_", "delta=", "population must"),
+)
+
+
+def internal_names_in(error):
+    """The library's argument names in `error` (not as part of a flag)."""
+    return [name for name in INTERNAL_NAMES if re.search(rf"(?<![-\w]){name}", error)]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [(flag, value) for flag, (*_, values) in NUMERIC_FLAGS.items() for value in values],
+)
+def test_every_numeric_flag_is_named_in_its_error(capsys, flag, value):
+    # Review finding: `--batch-size -3` was refused as "sample_size must be > 0".
+    action, argv, _ = NUMERIC_FLAGS[flag]
+    good = ["privacy", action, *argv]
+    assert cli.main(good) == 0  # The run is fine but for the flag.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(replace_flag(good, flag, value))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"kdpemb: error: {flag}" in error
+    assert internal_names_in(error) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        ((*EXAMPLES, *RUN, "--batch-size", "2000"), ("--batch-size", "--num-examples")),
+        (
+            (*EXAMPLES, *RUN, "--sampling", "fixed", "--batch-size", "2.5"),
+            ("--batch-size", "--sampling fixed"),
+        ),
+        ((*USER_RUN, "--clients-per-round", "2000"), ("--clients-per-round",)),
+        ((*USER_RUN, "--users-per-client", "5000"), ("--users-per-client",)),
+        (
+            (*USER_RUN, "--sampling", "epochs", "--steps-per-epoch", "7"),
+            ("--clients-per-round", "--steps-per-epoch"),
+        ),
+        (
+            (*USER_RUN, "--sampling", "epochs", "--steps-per-epoch", "5000"),
+            ("--steps-per-epoch",),
+        ),
+        ((*EXAMPLES, *RUN, "--delta", "0.01"), ("--delta", "--num-examples")),
+        (
+            (*USER_RUN, "--deployment-scale", "300", "--deployment-users", "2000"),
+            ("--deployment-users", "--deployment-scale"),
+        ),
+        (
+            (*USER_RUN, "--deployment-scale", "2", "--deployment-users", "10000000"),
+            ("--delta",),
+        ),
+    ],
+    ids=[
+        "batch>examples", "fixed-fraction", "clients>pool", "k>users",
+        "clients-vs-steps-per-epoch", "steps-per-epoch>pool", "delta>=1/N",
+        "deployment-pool", "deployment-delta",
+    ],
+)  # fmt: skip
+def test_bad_combinations_of_flags_name_the_flags(capsys, argv, flags):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["privacy", "epsilon", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert all(flag in error for flag in flags), error
+    assert internal_names_in(error) == []
+
+
+def test_epochs_sampling_takes_a_fractional_batch_size(capsys):
+    # ceil(N / B) steps per epoch, as the help says (B = 0.5 crashed).
+    status, out = run_cli(
+        capsys, "privacy", "epsilon", *EXAMPLES, *RUN,
+        "--sampling", "epochs", "--batch-size", "2.5", "--json",
+    )  # fmt: skip
+    expected = privacy.tree_aggregation(1.0, 400, 1000, leaves_per_tree=1)
+    assert status == 0
+    assert json.loads(out)["epsilon"] == pytest.approx(
+        privacy.epsilon(expected, 9, 1e-5, accountant="rdp")
+    )

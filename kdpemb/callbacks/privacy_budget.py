@@ -46,7 +46,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         delta: float or None. The δ at which ε is reported; below
             1/population. None (the default) takes the model's `delta`,
             so δ is given once, to the model.
-        target_epsilon: float or None. Stop before ε would exceed this.
+        target_epsilon: float or None. Stop before ε would exceed this. A
+            model without noise (noise multiplier 0) has ε = ∞ from its
+            first step: any target then refuses to train, saying so.
         accountant: str or None. "pld" (tight) or "rdp" (fast); None
             (default): "pld" where it models the model's mechanism, else
             "rdp" (fixed-size sampling).
@@ -234,6 +236,9 @@ class PrivacyBudget(keras.callbacks.Callback):
             return
         remaining = self.step_budget - self._steps
         epsilon = self._accountant.epsilon(self._steps, self.delta)
+        next_epsilon = self._accountant.epsilon(self._steps + 1, self.delta)
+        if remaining <= 0 and math.isinf(next_epsilon):
+            raise PrivacyBudgetExhaustedError(_no_noise_message(self))
         if remaining > 0:
             hint = (
                 f" {remaining} step(s) remain, fewer than steps_per_execution="
@@ -241,13 +246,32 @@ class PrivacyBudget(keras.callbacks.Callback):
                 "to use them."
             )
         else:
-            hint = " Raise target_epsilon only if your privacy policy allows it."
+            hint = (
+                f" One more step would take ε to {next_epsilon:.4g}. Raise "
+                "target_epsilon only if your privacy policy allows it."
+            )
         raise PrivacyBudgetExhaustedError(
             f"No privacy budget left for another execution: "
             f"{type(self.model).__name__} has taken {self._steps} private steps "
             f"(ε = {_format_epsilon(epsilon)} at δ = {self.delta:g}); the budget "
             f"for ε <= {self.target_epsilon:g} is {self.step_budget} steps.{hint}"
         )
+
+
+def _no_noise_message(budget):
+    """The refusal of a step whose ε is infinite: no target can be met."""
+    model = type(budget.model).__name__
+    z = budget._accountant.mechanism.noise_multiplier
+    what = "adds no noise" + (" (noise_multiplier = 0)" if z == 0 else "")
+    return (
+        f"No noise: ε is infinite. {model} {what}: each private step releases "
+        "its update in the clear, so ε is infinite (no privacy guarantee) "
+        "from the first step on and no target_epsilon can be met; "
+        f"PrivacyBudget(target_epsilon={budget.target_epsilon:g}) allows no "
+        f"step. Give {model} a noise_multiplier > 0 (or a target_epsilon of "
+        "its own, to calibrate one), or leave target_epsilon out of "
+        "PrivacyBudget to train without privacy."
+    )
 
 
 def _format_epsilon(epsilon):

@@ -1,6 +1,7 @@
 """`RecallAtFAR` callback: verification quality on held-out identities."""
 
 import keras
+import numpy as np
 
 from kdpemb import _validation as validation
 from kdpemb.data import inputs
@@ -30,7 +31,11 @@ class RecallAtFAR(keras.callbacks.Callback):
         data: a tuple `(images, labels)`, a `UserImages`, or a
             `tf.data.Dataset` / `keras.utils.PyDataset` yielding batches
             `(images, labels, ...)` (anything after the labels is ignored).
-            Its structure is checked here, before training.
+            Its structure (and the labels of arrays) is checked here; at
+            `on_train_begin`, before any training step, the data is read
+            once (without the backbone) to check the images' dtype and
+            shape against the backbone's input and that the labels give
+            genuine and impostor pairs enough for every `far`.
         far: float or sequence of floats. FARs to report. Defaults to
             `(1e-3, 1e-2)`.
         every_n_epochs: int. Defaults to `1`.
@@ -76,6 +81,8 @@ class RecallAtFAR(keras.callbacks.Callback):
             raise ValueError(
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
             )
+        if pairs == "in_batch":
+            verification._check_in_batch_size(in_batch_size)
         self.data = data
         self._input = inputs.open_input(
             data,
@@ -86,6 +93,7 @@ class RecallAtFAR(keras.callbacks.Callback):
         )
         # Reads a dataset's structure now, to refuse a bad one before training.
         self.fields = self._input.fields
+        self._checked_for = None  # The input shape the data was checked for.
         self.every_n_epochs = every_n_epochs
         self.backbone = backbone
         self.batch_size = batch_size
@@ -96,12 +104,62 @@ class RecallAtFAR(keras.callbacks.Callback):
         self.keys = tuple(far_key(f) for f in self.fars)
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"far lists the same FAR twice: {far!r}.")
+        if not self._input.is_stream:  # Labels in memory: checked now.
+            self._check_labels(self._input.arrays().labels)
 
     def _embedding_model(self):
         if self.backbone is not None:
             return self.backbone
         backbone = getattr(self.model, "backbone", None)
         return self.model if backbone is None else backbone
+
+    def _check_labels(self, labels):
+        try:
+            verification.check_labels(
+                labels, list(self.fars), self.pairs, self.in_batch_size
+            )
+        except ValueError as error:
+            raise ValueError(
+                "RecallAtFAR: the held-out data (argument data) cannot give "
+                f"Recall@FAR at far={', '.join(f'{f:g}' for f in self.fars)}: "
+                f"{error}"
+            ) from None
+
+    def check_data(self):
+        """Checks the data against the embedding model now, without it.
+
+        Reads the data once: every batch's images must be numbers of a
+        shape the model's input takes (where the model declares one), and
+        the labels must give genuine and impostor pairs enough for every
+        `far`. Runs at `on_train_begin`, so bad held-out data fails before
+        the first training step rather than after the first epoch; once
+        per input shape.
+        """
+        input_shape = inputs.model_input_shape(self._embedding_model())
+        if self._checked_for == (input_shape,):
+            return
+        source = self._input
+        if not source.is_stream:  # One dtype and shape; labels checked already.
+            self._check_shape(input_shape, source.shape, source.name)
+        else:
+            labels = []
+            for batch in source.batches():  # Checks each batch's dtype.
+                self._check_shape(input_shape, batch.images.shape, batch.where)
+                labels.append(np.reshape(batch.labels, (len(batch.images), -1)))
+            labels = np.concatenate(labels)
+            self._check_labels(labels[:, 0] if labels.shape[1] == 1 else labels)
+        self._checked_for = (input_shape,)
+
+    def _check_shape(self, input_shape, shape, where):
+        try:
+            inputs.check_input_shape(
+                input_shape, shape, where, stream=self._input.is_stream
+            )
+        except ValueError as error:
+            raise ValueError(f"RecallAtFAR: {error}") from None
+
+    def on_train_begin(self, logs=None):
+        self.check_data()
 
     def evaluate(self):
         """Embeds the data now and returns `{key: value}`."""

@@ -87,10 +87,89 @@ def shape_text(shape):
 
     Example:
 
-    >>> shape_text((None, 8, 8, 1))
-    '(None, 8, 8, 1)'
+    >>> shape_text((None, 8, 8, 1)), shape_text((6,))
+    ('(None, 8, 8, 1)', '(6,)')
     """
-    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+    text = ", ".join("None" if d is None else str(d) for d in shape)
+    return f"({text},)" if len(shape) == 1 else f"({text})"
+
+
+def model_input_shape(model):
+    """The shape of `model`'s one input, batch axis first, or None.
+
+    None where the model does not say: a subclassed model (no `inputs`),
+    or one of several inputs. Needs no Keras import.
+
+    Example:
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten()])
+    >>> model_input_shape(model)
+    (None, 8, 8, 1)
+    """
+    try:
+        model_inputs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not model_inputs or len(model_inputs) != 1:
+        return None
+    return tuple(None if d is None else int(d) for d in model_inputs[0].shape)
+
+
+def _fits(expected, got):
+    """Whether shape `got` fits `expected`; None in either is a wildcard."""
+    return len(got) == len(expected) and all(
+        e is None or g is None or e == g for e, g in zip(expected, got, strict=True)
+    )
+
+
+def check_input_shape(
+    input_shape, shape, where, *, model="backbone", items="images", stream=False
+):
+    """Refuses rows of `shape` (batch axis first) for an input of `input_shape`.
+
+    Both shapes have the batch axis first; it is not compared, and None
+    (unknown) in either is a wildcard. `input_shape` None (unknown) accepts
+    anything. The error names both shapes and the fix.
+
+    Args:
+        input_shape: tuple or None. The model's input, e.g. from
+            `model_input_shape`.
+        shape: tuple. The data's, e.g. `(N, 16, 16, 1)`.
+        where: str. The data in words, e.g. `"data.images"`.
+        model: str. The model in words. Defaults to `"backbone"`.
+        items: str. What the rows are. Defaults to `"images"`.
+        stream: bool. Whether the rows are batches of a dataset (a shape of
+            a single row then hints at an unbatched dataset).
+
+    Example:
+
+    >>> check_input_shape((None, 24, 24, 1), (5, 24, 24, 1), "images")
+    >>> try:
+    ...     check_input_shape((None, 24, 24, 1), (5, 16, 16, 1), "images")
+    ... except ValueError as error:
+    ...     print(str(error)[:73])
+    The backbone takes images of shape (24, 24, 1) (its input is (None, 24, 2
+    """
+    if input_shape is None:
+        return
+    expected = tuple(input_shape[1:])
+    got = tuple(shape[1:])
+    if _fits(expected, got):
+        return
+    fix = f"Resize the {items} or build the {model} for their shape."
+    if stream and _fits(expected, tuple(shape)):
+        fix = (
+            f"It seems to yield single {items}, not batches; batch it first "
+            "(e.g. dataset.batch(256))."
+        )
+    elif len(got) == len(expected) - 1 and expected[-1] == 1:
+        fix = f"Add the channel axis: {items}[..., None]."
+    raise ValueError(
+        f"The {model} takes {items} of shape {shape_text(expected)} (its input "
+        f"is {shape_text(input_shape)}), but {where} has {items} of shape "
+        f"{shape_text(got)}. {fix}"
+    )
 
 
 def open_input(

@@ -58,20 +58,39 @@ def _check_embeddings(embeddings, labels):
             "such row(s)). The model diverged or its input was bad; Recall@FAR "
             "of non-finite embeddings is undefined."
         )
+    labels = _identities(labels, len(embeddings))
+    norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
+    # A zero embedding has similarity 0 with everything.
+    return embeddings / np.maximum(norms, 1e-12), labels
+
+
+def _identities(labels, num_embeddings=None):
+    """`labels` as identity indices 0..I-1 (int64), or a ValueError."""
     labels = np.asarray(labels)
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
-    if labels.shape != (len(embeddings),):
+    if num_embeddings is not None and labels.shape != (num_embeddings,):
         raise ValueError(
-            f"labels must have shape ({len(embeddings)},), one identity per "
+            f"labels must have shape ({num_embeddings},), one identity per "
             f"embedding, got {labels.shape}."
         )
-    if labels.dtype.kind == "f" and (labels != np.round(labels)).any():
-        raise ValueError("labels must be integer identities, got fractions.")
+    if labels.ndim != 1:
+        raise ValueError(
+            f"labels must be 1-D, one identity per image, got shape {labels.shape}."
+        )
+    if labels.dtype.kind == "f" and not (
+        np.isfinite(labels).all() and (labels == np.round(labels)).all()
+    ):
+        raise ValueError(
+            "labels must be integer identities, got fractions (or NaN); pass "
+            "one integer (or string) identity per image."
+        )
+    if labels.dtype.kind not in "biufUSO":
+        raise ValueError(
+            f"labels must be integer (or string) identities, got dtype {labels.dtype}."
+        )
     _, labels = np.unique(labels, return_inverse=True)
-    norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
-    # A zero embedding has similarity 0 with everything.
-    return embeddings / np.maximum(norms, 1e-12), labels.astype(np.int64)
+    return labels.reshape(-1).astype(np.int64)
 
 
 def _pair_counts(labels):
@@ -79,6 +98,89 @@ def _pair_counts(labels):
     sizes = np.bincount(labels)
     genuine = int((sizes * (sizes - 1) // 2).sum())
     return genuine, n * (n - 1) // 2 - genuine
+
+
+def _check_in_batch_size(batch_size):
+    if (
+        not isinstance(batch_size, numbers.Integral)
+        or isinstance(batch_size, bool)
+        or batch_size < 2
+    ):
+        raise ValueError(f"batch_size must be an int >= 2, got {batch_size!r}.")
+    return int(batch_size)
+
+
+def _counts(labels, pairs, batch_size):
+    """`(genuine, impostor)` pair counts of identity indices `labels`, or a
+    ValueError when either is zero: what the pairs of `pairs` need."""
+    identities = int(labels.max()) + 1 if labels.size else 0
+    if identities < 2:
+        raise ValueError(
+            f"Verification needs at least two identities; got {identities} "
+            f"identity among {labels.size} embeddings, so there is no "
+            "impostor pair."
+        )
+    if pairs == "in_batch":
+        genuine = impostor = 0
+        for start in range(0, labels.size, batch_size):
+            g, i = _pair_counts(labels[start : start + batch_size])
+            genuine, impostor = genuine + g, impostor + i
+    else:
+        genuine, impostor = _pair_counts(labels)
+    if genuine == 0:
+        raise ValueError(
+            "No genuine pair: every identity has a single embedding (or, with "
+            "pairs='in_batch', no batch holds two of one identity). Use at "
+            "least two images per identity."
+        )
+    if impostor == 0:
+        raise ValueError(
+            "No impostor pair: every pair has the same identity (or, with "
+            "pairs='in_batch', every batch holds one identity). Use images "
+            "of at least two identities (in each batch)."
+        )
+    return genuine, impostor
+
+
+def check_labels(labels, far=1e-3, pairs="all", batch_size=256):
+    """Checks, before any embedding, that `labels` can give Recall@FAR.
+
+    The checks of `recall_at_far` that need only the labels: their shape
+    and dtype, at least one genuine and one impostor pair (for `pairs`),
+    and that every `far` is measurable on that many impostor pairs. What
+    `kdpemb.callbacks.RecallAtFAR` runs before training.
+
+    Args:
+        labels: array `(N,)` of integer (or string) identities.
+        far, pairs, batch_size: as for `recall_at_far`.
+
+    Returns:
+        `(genuine, impostor)`: the numbers of pairs of each kind.
+
+    Raises:
+        ValueError: naming what is missing and the fix.
+
+    Example:
+
+    >>> check_labels([0, 0, 1, 1, 2], far=0.2)
+    (2, 8)
+    >>> try:
+    ...     check_labels([0, 1, 2, 3], far=0.2)
+    ... except ValueError as error:
+    ...     print(str(error)[:54])
+    No genuine pair: every identity has a single embedding
+    """
+    fars = _check_far(far)
+    if pairs not in PAIRS:
+        raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
+    if pairs == "in_batch":
+        batch_size = _check_in_batch_size(batch_size)
+    labels = _identities(labels)
+    if labels.size == 0:
+        raise ValueError("labels is empty: there are no images to pair.")
+    genuine, impostor = _counts(labels, pairs, batch_size)
+    _check_measurable(fars, impostor)
+    return genuine, impostor
 
 
 def _check_far(far):
@@ -198,30 +300,15 @@ def _in_batch_scores(unit, labels, batch_size):
 def _scores(embeddings, labels, pairs, batch_size, keep_far):
     if pairs not in PAIRS:
         raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
-    unit, labels = _check_embeddings(embeddings, labels)
-    if labels.size < 2 or labels.max() == 0:
-        raise ValueError(
-            f"Verification needs at least two identities; got {labels.max() + 1} "
-            f"identity among {labels.size} embeddings, so there is no "
-            "impostor pair."
-        )
     if pairs == "in_batch":
-        if not isinstance(batch_size, numbers.Integral) or batch_size < 2:
-            raise ValueError(f"batch_size must be an int >= 2, got {batch_size!r}.")
-        genuine, impostor = _in_batch_scores(unit, labels, int(batch_size))
-        num_impostors = impostor.size
+        batch_size = _check_in_batch_size(batch_size)
+    unit, labels = _check_embeddings(embeddings, labels)
+    _, num_impostors = _counts(labels, pairs, batch_size)
+    if pairs == "in_batch":
+        genuine, impostor = _in_batch_scores(unit, labels, batch_size)
     else:
-        _, num_impostors = _pair_counts(labels)
         keep = min(num_impostors, allowed_false_accepts(keep_far, num_impostors) + 1)
         genuine, impostor = _all_pair_scores(unit, labels, keep)
-    if genuine.size == 0:
-        raise ValueError(
-            "No genuine pair: every identity has a single embedding (or, with "
-            "pairs='in_batch', no batch holds two of one identity). Use at "
-            "least two images per identity."
-        )
-    if num_impostors == 0:
-        raise ValueError("No impostor pair: every pair has the same identity.")
     return genuine, np.sort(impostor)[::-1], num_impostors
 
 

@@ -19,6 +19,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.data import inputs
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models import backbone_checks, backends, privacy_plan, private_state
 from kdpemb.models.clipped_gradients import (
@@ -274,6 +275,13 @@ class DPModel(FrozenSettings, keras.Model):
         if not self.compiled:
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
         x, y = _check_data(x, y)
+        inputs.check_input_shape(
+            inputs.model_input_shape(self.network),
+            np.shape(x[:1]) if not hasattr(x, "shape") else tuple(x.shape),
+            "x",
+            model="network",
+            items="inputs",
+        )
         num_examples = len(x)
         epochs = validation.check_positive_int(epochs, "epochs")
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:

@@ -16,6 +16,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.data import inputs
 from kdpemb.errors import (
     DataDependentScheduleWarning,
     PrivacyBudgetExhaustedError,
@@ -724,8 +725,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
 
         Everything is checked before the first round: the schedule (taken
         from the `VirtualClients` once, or compared with the model's),
-        the round shape, and, under a `tf.distribute` strategy of several
-        replicas, that the number of rounds is known (a dataset of
+        the round shape, the image shape against the backbone's input
+        (`VirtualClients.image_shape`, or the dataset's element spec; None
+        dimensions match anything), and, under a `tf.distribute` strategy
+        of several replicas, that the number of rounds is known (a dataset of
         unknown or infinite cardinality needs `steps_per_epoch`). Warns
         with `DataDependentScheduleWarning` when P is not a public count.
         """
@@ -758,6 +761,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             if steps is not None:
                 _check_round_steps(steps, self._schedule.local_steps)
             _check_rows_split(rows)
+            image_shape = _round_image_shape(x)
+            if image_shape is not None:
+                _check_image_shape(self.backbone, image_shape, "the rounds")
             self._head_columns = None
         arguments = privacy_plan.fit_arguments(args, kwargs)
         verbose = privacy_plan.is_verbose(arguments)
@@ -973,6 +979,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         """Checks the model against its `VirtualClients`, then adopts their
         schedule (if it has none) and head width; a fit refused by these
         checks adopts nothing."""
+        _check_image_shape(
+            self.backbone, clients.image_shape, "the VirtualClients (image_shape)"
+        )
         if (
             self.aggregation == "partial"
             and clients.users_per_client == 1
@@ -1070,6 +1079,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         plumbing = backends.current()
         schedule = self._known_schedule()
         data = _check_round(data, schedule.local_steps)
+        # Rounds of no known shape until now (e.g. a PyDataset of rounds).
+        _check_image_shape(self.backbone, data["images"].shape[3:], "the round")
         trainer, theta, non_trainable, heads, data = self._round_inputs(
             data, schedule.local_steps, self._head_columns
         )
@@ -1344,6 +1355,27 @@ def _round_shape(x):
     if shape is None or len(shape) < 2:
         return None, None
     return tuple(None if d is None else int(d) for d in tuple(shape)[:2])
+
+
+def _round_image_shape(x):
+    """The image shape of a round source whose element spec tells it (a
+    `tf.data.Dataset` of rounds `(M, S, B, *image)`), or None."""
+    spec = getattr(x, "element_spec", None)
+    if not isinstance(spec, dict) or "images" not in spec:
+        return None
+    shape = getattr(spec["images"], "shape", None)
+    if shape is None or shape.rank is None or shape.rank < 4:
+        return None
+    return tuple(None if d is None else int(d) for d in tuple(shape)[3:])
+
+
+def _check_image_shape(backbone, image_shape, where):
+    """Refuses rounds of images the backbone was not built for (`extract`
+    refuses them alike): a convolutional backbone would otherwise train on
+    them without a word."""
+    inputs.check_input_shape(
+        inputs.model_input_shape(backbone), (None, *image_shape), where
+    )
 
 
 def _check_rows_split(rows):

@@ -449,6 +449,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 )
         last_layer_inputs.check_single_device()
         features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
+        if self._method.clips_gradients:  # The noise is z · clip_norm.
+            scale, scale_name = self.clip_norm, "clip_norm"
+        else:
+            scale, scale_name = self.feature_clip_norm, "feature_clip_norm"
+        last_layer_inputs.warn_if_degenerate(features, scale, scale_name)
         epochs = validation.check_positive_int(epochs, "epochs")
         if (
             not isinstance(initial_epoch, int)

@@ -15,10 +15,14 @@ import abc
 import dataclasses
 import fractions
 import math
+import os
+import sys
+import warnings
 
 import dp_accounting as dpa
 
 from kdpemb import _validation as validation
+from kdpemb.errors import SmallPopulationWarning
 
 Relation = dpa.NeighboringRelation
 
@@ -68,6 +72,53 @@ def _check_unit(unit):
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
     return unit
+
+
+# The smallest population whose guarantee is about individuals: with one
+# unit, its neighbouring dataset is the empty one.
+MIN_POPULATION = 2
+
+
+def _check_population(population, unit):
+    """Checks a population (an int >= 1) and warns `SmallPopulationWarning`
+    below `MIN_POPULATION`: every mechanism, hence every schedule, run and
+    statement, gets its population here."""
+    population = validation.check_positive_int(population, "population")
+    unit = _check_unit(unit)
+    if population < MIN_POPULATION:
+        warnings.warn(
+            f"The population is a single {unit}. Differential privacy bounds "
+            f"what a run reveals about one {unit} against the same run without "
+            f"it, which here is a run on no data at all: whatever the model "
+            f"learns from its data is about this one {unit}, so it is either "
+            f"useless (small ε) or discloses that {unit}'s data (large ε), and "
+            "δ < 1/population rules out nothing (any δ < 1 passes). Check the "
+            f"count of {unit}s (the distinct privacy units, not batches or "
+            f"clients), or train on more {unit}s.",
+            SmallPopulationWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+    return population
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _caller_stacklevel():
+    """The `stacklevel` of the first frame outside kdpemb and dataclasses
+    (whose `replace` and generated `__init__` build mechanisms), as seen
+    from a `warnings.warn` in the caller: the user's line, once."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or frame.f_globals.get("__name__") == "dataclasses"
+        or (  # A dataclass's generated __init__ runs in its module's globals.
+            frame.f_code.co_filename == "<string>"
+            and frame.f_globals.get("__name__", "").startswith("kdpemb.")
+        )
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _compose(events):
@@ -285,7 +336,7 @@ class SampledGaussian(Mechanism):
             )
         _check_unit(self.unit)
         validation.check_positive_int(self.pool_size, "pool_size")
-        validation.check_positive_int(self.population, "population")
+        _check_population(self.population, self.unit)
         validation.check_positive_int(self.users_per_client, "users_per_client")
         validation.check_clip_norm(self.clip_norm)
         validation.check_positive(self.sample_size, "sample_size")
@@ -423,7 +474,7 @@ class GaussianReleases(Mechanism):
             )
         object.__setattr__(self, "releases", releases)
         object.__setattr__(self, "setup", tuple(self.setup))
-        validation.check_positive_int(self.population, "population")
+        _check_population(self.population, self.unit)
         validation.check_clip_norm(self.clip_norm)
         _check_unit(self.unit)
 
@@ -487,7 +538,7 @@ class ZCDP(Mechanism):
         validation.check_positive(self.rho, "rho")
         if validation.check_finite_real(self.xi, "xi") < 0:
             raise ValueError(f"xi must be >= 0, got {self.xi!r}.")
-        validation.check_positive_int(self.population, "population")
+        _check_population(self.population, self.unit)
         _check_unit(self.unit)
         relation_from_name(self.relation)
 
@@ -565,7 +616,7 @@ class TreeAggregation(Mechanism):
     def __post_init__(self):
         validation.check_noise_multiplier(self.noise_multiplier)
         validation.check_positive_int(self.steps_per_epoch, "steps_per_epoch")
-        validation.check_positive_int(self.population, "population")
+        _check_population(self.population, self.unit)
         validation.check_positive_int(self.users_per_client, "users_per_client")
         validation.check_clip_norm(self.clip_norm)
         _check_unit(self.unit)

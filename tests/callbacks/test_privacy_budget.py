@@ -211,13 +211,36 @@ def test_early_stopping_can_monitor_epsilon():
 
 def test_a_target_below_one_step_refuses_to_train():
     model = make_model(noise_multiplier=0.5, sampling_probability=0.5)
-    with pytest.raises(PrivacyBudgetExhaustedError, match=r"budget for ε <= 0\.1 is 0"):
+    one_step = privacy.epsilon(privacy.dp_sgd(0.5, N / 2, N), 1, DELTA)
+    assert one_step > 0.1  # The first step alone exceeds the target.
+    with pytest.raises(
+        PrivacyBudgetExhaustedError, match=r"budget for ε <= 0\.1 is 0"
+    ) as info:
         model.fit(
             toy_regression_data(N, D, 3),
             epochs=1,
             verbose=0,
             callbacks=[PrivacyBudget(DELTA, target_epsilon=0.1, verbose=0)],
         )
+    assert steps_of(model) == 0
+    assert f"One more step would take ε to {one_step:.4g}." in str(info.value)
+
+
+def test_zero_noise_with_a_target_says_no_noise_not_raise_the_target():
+    # Review finding: it said "ε = 0 ... Raise target_epsilon", which no
+    # target can fix.
+    model = make_model(noise_multiplier=0.0)
+    with pytest.raises(PrivacyBudgetExhaustedError) as info:
+        model.fit(
+            toy_regression_data(N, D, 2),
+            epochs=1,
+            verbose=0,
+            callbacks=[PrivacyBudget(DELTA, target_epsilon=1e6, verbose=0)],
+        )
+    message = str(info.value)
+    assert message.startswith("No noise: ε is infinite.")
+    assert "noise_multiplier = 0" in message and "ε = 0" not in message
+    assert "Raise target_epsilon" not in message
     assert steps_of(model) == 0
 
 
@@ -230,7 +253,7 @@ def test_zero_noise_reports_infinite_epsilon():
         callbacks=[PrivacyBudget(DELTA, verbose=0)],
     )
     assert history.history["epsilon"] == [float("inf")]
-    with pytest.raises(PrivacyBudgetExhaustedError):
+    with pytest.raises(PrivacyBudgetExhaustedError, match="No noise: ε is infinite"):
         model.fit(
             toy_regression_data(N, D, 2),
             epochs=1,

@@ -158,3 +158,83 @@ def test_an_input_without_labels_is_refused_when_the_callback_is_made():
 def test_an_empty_dataset_is_called_empty():
     with pytest.raises(ValueError, match="empty"):
         RecallAtFAR(Elements([]), far=0.1)
+
+
+class CountSteps(keras.callbacks.Callback):
+    """Counts training steps (a check before training leaves it at 0)."""
+
+    steps = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.steps += 1
+
+
+def fit_with(callback, dim=6):
+    """Fits a tiny model with `callback` after a step counter; the count."""
+    counter = CountSteps()
+    model = keras.Sequential([keras.Input((dim,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((8, dim), "float32")
+    try:
+        model.fit(x, np.zeros((8, 3)), epochs=1, verbose=0,
+                  callbacks=[counter, callback])  # fmt: skip
+    finally:
+        assert counter.steps == 0, "the bad data was refused only after training"
+
+
+@pytest.mark.parametrize(
+    ("labels", "far", "message"),
+    [
+        (np.zeros(60, int), 0.1, "at least two identities"),
+        (np.arange(60), 0.1, "No genuine pair"),
+        (np.repeat(np.arange(15), 4) + 0.5, 0.1, "fractions"),
+        (np.stack([np.arange(60)] * 2, 1), 0.1, "1-D"),
+        (np.repeat(np.arange(15), 4), 1e-5, "far=1e-05 is below 1 / 1680"),
+    ],
+    ids=["one-identity", "no-genuine-pair", "fractions", "2-d", "far-too-small"],
+)
+@pytest.mark.parametrize("kind", ["arrays", "pydataset"])
+def test_bad_labels_are_refused_before_the_first_training_step(
+    labels, far, message, kind
+):
+    x, _ = held_out()
+    data = (x, labels) if kind == "arrays" else Elements(batches(x, labels, size=16))
+    pattern = rf"RecallAtFAR: the held-out data \(argument data\).*{message}"
+    with pytest.raises(ValueError, match=pattern):
+        fit_with(RecallAtFAR(data, far=far))
+
+
+@pytest.mark.parametrize("kind", ["arrays", "pydataset"])
+def test_images_the_backbone_does_not_take_are_refused_before_training(kind):
+    x, labels = held_out(dim=7)  # The model takes 6 features.
+    data = (x, labels) if kind == "arrays" else Elements(batches(x, labels, size=16))
+    pattern = r"RecallAtFAR: The backbone takes images of shape \(6,\).*shape \(7,\)"
+    with pytest.raises(ValueError, match=pattern):
+        fit_with(RecallAtFAR(data, far=0.1))
+
+
+def test_good_data_is_read_once_per_input_shape_and_string_labels_work():
+    x, labels = held_out()
+    reads = []
+
+    class Counted(Elements):
+        def __getitem__(self, index):
+            reads.append(index)
+            return super().__getitem__(index)
+
+    data = Counted(batches(x, labels.astype(str), size=16))
+    callback = RecallAtFAR(data, far=0.1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    callback.set_model(model)
+    callback.on_train_begin()
+    first_pass = len(reads)
+    assert first_pass >= 4  # The 4 batches (and the structure).
+    callback.on_train_begin()  # Checked already: not read again.
+    assert len(reads) == first_pass
+    assert 0.0 <= callback.evaluate()["recall@far=1e-01"] <= 1.0
+
+
+def test_a_bad_in_batch_size_is_refused_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="batch_size must be an int >= 2"):
+        RecallAtFAR(held_out(), far=0.1, pairs="in_batch", in_batch_size=1)

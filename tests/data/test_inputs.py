@@ -143,7 +143,7 @@ def test_inconsistent_image_shapes_are_refused_when_read_whole():
         ),
         (np.zeros((0, 2, 2, 1)), ValueError, "holds no images"),
         (Elements([]), ValueError, "yielded no images"),
-        (np.zeros(3), ValueError, r"at least \(N, \.\.\.\), got shape \(3\)"),
+        (np.zeros(3), ValueError, r"at least \(N, \.\.\.\), got shape \(3,\)"),
         (np.full((2, 3), "a"), ValueError, "Images must be numbers"),
         (Elements([np.full((2, 3), "a")]), ValueError, "Images must be numbers"),
         (iter([np.zeros((2, 3))]), TypeError, "data must be"),

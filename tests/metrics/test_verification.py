@@ -253,3 +253,18 @@ def test_a_zero_embedding_scores_zero_with_everything():
     assert reference_recall(embeddings, labels, 0.5) == recall_at_far(
         embeddings, labels, 0.5
     )
+
+
+@pytest.mark.parametrize(("pairs", "batch_size"), [("all", 256), ("in_batch", 7)])
+def test_check_labels_counts_the_pairs_by_brute_force(pairs, batch_size):
+    labels = np.random.default_rng(5).integers(0, 6, 40)
+    counts = [0, 0]  # genuine, impostor
+    for start in range(0, 40, batch_size if pairs == "in_batch" else 40):
+        block = labels[start : start + (batch_size if pairs == "in_batch" else 40)]
+        for i in range(len(block)):
+            for j in range(i + 1, len(block)):
+                counts[int(block[i] != block[j])] += 1
+    assert verification.check_labels(labels, 0.1, pairs, batch_size) == tuple(counts)
+    # A FAR below one impostor pair is refused by the labels alone.
+    with pytest.raises(ValueError, match="cannot measure"):
+        verification.check_labels(labels, 0.5 / counts[1], pairs, batch_size)

@@ -9,6 +9,7 @@ from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError, UnsupportedLayerError
 from kdpemb.models import DPModel
 from kdpemb.models.clipped_gradients import ClippedGradients, plan_gradients
+from kdpemb.privacy import protocol
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::kdpemb.errors.ReproducibleNoiseWarning"
@@ -340,3 +341,24 @@ def test_dropout_keeps_the_ghost_path_and_zero_heads_do_not_hide_layers():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model.gradient_plan.mode == "layers", model.gradient_plan.describe()
     assert model.gradient_plan.methods == ("ghost", "ghost")
+
+
+def test_inputs_the_network_was_not_built_for_are_refused_before_any_step():
+    # A convolutional network built for 6x6 images would train on 4x4 ones.
+    network = keras.Sequential(
+        [
+            keras.Input((6, 6, 1)),
+            keras.layers.Conv2D(2, 3),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model = DPModel(network, noise_multiplier=1.0, delta=1e-3, seed=0)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.zeros((20, 4, 4, 1), "float32")
+    pattern = (
+        r"network takes inputs of shape \(6, 6, 1\).*x has inputs of shape \(4, 4, 1\)"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        model.fit(x, np.zeros(20, int), batch_size=5, verbose=0)
+    assert protocol.read_private_steps(model) == 0 and model.schedule is None

@@ -717,3 +717,49 @@ def test_float16_loss_scaling_is_refused():
         )
     model.compile(optimizer=keras.optimizers.SGD(1.0))
     assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def conv_backbone(side):
+    """A backbone built for side x side x 1 images that runs on any size."""
+    return keras.Sequential(
+        [
+            keras.Input((side, side, 1)),
+            keras.layers.Conv2D(3, 3),
+            keras.layers.GlobalAveragePooling2D(),
+        ]
+    )
+
+
+@pytest.mark.parametrize("source", ["clients", "tf_dataset", "derived", "rounds"])
+def test_images_the_backbone_was_not_built_for_are_refused_before_any_round(source):
+    # Review finding: a backbone built for 24x24 trained on 16x16 rounds
+    # without a word (extract refuses the same mismatch).
+    clients = tiny_clients()  # 4x4x1 images.
+    given = None if source in ("clients", "tf_dataset") else clients.schedule
+    model = FedEmbModel(
+        conv_backbone(6), client_optimizer=0.1, clip_norm=0.5,
+        noise_multiplier=4.0, seed=0, schedule=given,
+    )  # fmt: skip
+    model.compile(optimizer=keras.optimizers.SGD(1.0))
+    x = {
+        "clients": lambda: clients,
+        "tf_dataset": clients.to_tf_dataset,
+        "derived": lambda: clients.to_tf_dataset().map(lambda round_: round_),
+        "rounds": lambda: ref.Rounds([ref.make_round(0, steps=2)]),
+    }[source]()
+    pattern = r"backbone takes images of shape \(6, 6, 1\).*of shape \(4, 4, 1\)"
+    with pytest.raises(ValueError, match=pattern):
+        model.fit(x, epochs=1, verbose=0, shuffle=False)
+    assert model.schedule == given  # Nothing adopted.
+    if source != "rounds":
+        # Refused before Keras starts (a PyDataset of rounds tells its shape
+        # only when its first round is traced; there, under JAX, Keras has
+        # already detached the variables, and a failed first step leaves
+        # them detached).
+        assert protocol.read_private_steps(model) == 0
+    # None dimensions match any size.
+    fine = FedEmbModel(
+        keras.Sequential([keras.Input((None, None, 1)), *conv_backbone(6).layers]),
+        client_optimizer=0.1, clip_norm=0.5, noise_multiplier=4.0, seed=0,
+    )  # fmt: skip
+    fine._check_clients(clients)

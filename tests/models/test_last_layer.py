@@ -20,7 +20,7 @@ from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget
 from kdpemb.data import poisson_batches
 from kdpemb.data.poisson_batches import PoissonBatches
-from kdpemb.errors import PrivacyBudgetExhaustedError
+from kdpemb.errors import DegenerateFeaturesWarning, PrivacyBudgetExhaustedError
 from kdpemb.models import ReproducibleNoiseWarning, backends
 from kdpemb.models.last_layer import (
     ClipFeatures,
@@ -31,9 +31,11 @@ from kdpemb.models.last_layer_stats import make_psd
 from kdpemb.privacy import host_noise, protocol
 from tests.models import last_layer_reference as ref
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::kdpemb.errors.ReproducibleNoiseWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning"),
+    # All-zero features isolate the noise in several tests below.
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.DegenerateFeaturesWarning"),
+]
 
 DELTA = 1e-3
 CLOSED_FORM = ("dp-ls", "dp-newton", "dp-fc")
@@ -1426,3 +1428,53 @@ def test_initial_epoch_must_leave_at_least_one_epoch():
     assert model.schedule is None
     with pytest.raises(NotImplementedError, match="only through fit"):
         model.train_on_batch(features, labels)
+
+
+@pytest.mark.parametrize(
+    ("method", "settings", "scale"),
+    [
+        ("dp-sgd", {"clip_norm": 2.0}, 2.0),
+        ("dp-ls", {"feature_clip_norm": 4.0}, 4.0),
+    ],
+)
+def test_near_zero_features_warn_before_any_step_with_no_statistic(
+    method, settings, scale
+):
+    # Review finding: features of norm ~1e-10 (an untrained backbone) were
+    # fitted without a word and gave chance accuracy.
+    features, labels = make_data(n=20, dim=4, seed=3)
+    model = LastLayerDPClassifier(
+        3, method, noise_multiplier=1.0, delta=DELTA, seed=0, **settings
+    )
+    messages = []
+    for degenerate in (features * 1e-10, features * 1e-9 * scale):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DegenerateFeaturesWarning)
+            with pytest.raises(DegenerateFeaturesWarning, match="yes/no") as info:
+                model.fit(degenerate, labels, batch_size=None, verbose=0)
+        messages.append(str(info.value))
+    assert steps_of(model) == 0  # Warned (here: raised) before any step.
+    # Only the public threshold is stated, never a value of the data.
+    assert messages[0] == messages[1]
+    assert f"{1e-6 * scale:.3g}" in messages[0]
+
+
+def test_the_warning_is_one_bit_whether_half_the_rows_are_below_the_threshold():
+    features, labels = make_data(n=10, dim=4, seed=4)
+    norms = np.linalg.norm(features, axis=1, keepdims=True)
+    unit = features / norms
+    for tiny_rows, warns in ((4, False), (5, True), (10, True)):
+        rows = unit.copy()
+        rows[:tiny_rows] *= 0.99e-6  # Just below 1e-6 x clip_norm = 1e-6.
+        rows[tiny_rows:] *= 1.01e-6  # Just above it.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_model(3, clip_norm=1.0).fit(rows, labels, verbose=0)
+        degenerate = [w for w in caught if w.category is DegenerateFeaturesWarning]
+        assert bool(degenerate) == warns, tiny_rows
+    # Small features at a clip norm of their own scale are fine.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DegenerateFeaturesWarning)
+        make_model(3, "dp-ls", feature_clip_norm=1e-9).fit(
+            features * 1e-10, labels, verbose=0
+        )

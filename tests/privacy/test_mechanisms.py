@@ -1,9 +1,12 @@
 import dataclasses
+import warnings
 
 import dp_accounting as dpa
+import numpy as np
 import pytest
 
 from kdpemb import privacy
+from kdpemb.errors import SmallPopulationWarning
 
 Relation = dpa.NeighboringRelation
 
@@ -137,3 +140,41 @@ def test_mechanisms_are_frozen_and_serialisable():
 def test_bad_schedules_fail_when_built_with_the_value_and_the_fix(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+RELEASE = privacy.GaussianRelease(noise_std=2.0, sensitivity=1.0, name="sum")
+POPULATION_BUILDERS = {
+    "dp_sgd": lambda n: privacy.dp_sgd(1.0, 1, n),
+    "full_batch": lambda n: privacy.full_batch(1.0, n),
+    "virtual_clients": lambda n: privacy.virtual_clients(1.0, 1, n),
+    "gaussian_releases": lambda n: privacy.gaussian_releases([RELEASE], n),
+    "zcdp": lambda n: privacy.zcdp(0.1, n),
+    "tree_aggregation": lambda n: privacy.tree_aggregation(1.0, 1, n),
+    "Schedule.examples": lambda n: privacy.Schedule.examples(n, 1),
+    "Schedule.virtual_clients": lambda n: privacy.Schedule.virtual_clients(n, 1),
+}
+
+
+@pytest.mark.parametrize(
+    "build", POPULATION_BUILDERS.values(), ids=list(POPULATION_BUILDERS)
+)
+def test_a_population_of_one_warns_at_the_callers_line(build):
+    # Review finding: one user trained and got a statement without a word
+    # (with delta=0.5 < 1/1 accepted).
+    with pytest.warns(SmallPopulationWarning, match="single") as record:
+        build(1)
+    assert {w.filename for w in record} == {__file__}  # The caller's line.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SmallPopulationWarning)
+        build(2)
+
+
+def test_a_model_of_one_example_warns_before_its_first_step():
+    from kdpemb.models import LastLayerDPClassifier
+
+    model = LastLayerDPClassifier(2, noise_multiplier=1.0, delta=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SmallPopulationWarning)
+        with pytest.raises(SmallPopulationWarning):
+            model.fit(np.ones((1, 3), "float32"), np.zeros(1, int), verbose=0)
+    assert privacy.protocol.read_private_steps(model) == 0
