@@ -114,8 +114,14 @@ def test_the_main_job_refuses_a_bad_deployment_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_the_main_job_can_calibrate_for_the_runs_own_epsilon(tmp_path):
-    out, _, run_dir = run_main_job(tmp_path, "--own-epsilon", "5", "--no-reference")
+    # A given C: no public probe (the other test runs it), and the flag's path.
+    out, _, run_dir = run_main_job(
+        tmp_path, "--own-epsilon", "5", "--no-reference", "--clip-norm", "0.5"
+    )
     results = json.loads((run_dir / "results.json").read_text())
+    assert results["clip_norm"] == 0.5
+    assert results["clip_norm_source"] == "--clip-norm"
+    assert "median update norm" not in out
     statement = results["privacy_statement"]
     assert statement["unit"] == "user" and 0.99 * 5 <= statement["epsilon"] <= 5
     assert (run_dir / "privacy_statement.txt").read_text().strip() in out
@@ -156,7 +162,12 @@ def test_last_layer_dp_example_prints_accuracy_per_method_and_epsilon(tmp_path):
 
 
 def test_dp_sgd_finetune_example_compares_full_and_last_layer_at_one_epsilon():
-    out = run_example("dp_sgd_finetune.py", "--quick", "--epsilon", "3")
+    # 4 training images of each of the 4 classes: N = 16 = the quick batch
+    # size, so every Poisson batch (q = 1) pads to one shape, 2 physical
+    # batches of 8, and JAX compiles one DP step rather than one per size.
+    out = run_example(
+        "dp_sgd_finetune.py", "--quick", "--epsilon", "3", "--train-images", "4"
+    )
     rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
     methods = [" ".join(row[1:-3]) for row in rows]
     assert methods == ["last layer", "full fine-tuning"]
