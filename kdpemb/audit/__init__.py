@@ -5,7 +5,12 @@
 mechanisms. Nothing in kdpemb imports this package.
 """
 
-from kdpemb.audit.audit import AuditResult, audit_gaussian_sum, audit_scores
+from kdpemb.audit.audit import (
+    AuditResult,
+    audit_gaussian_sum,
+    audit_last_layer_dp_ls,
+    audit_scores,
+)
 from kdpemb.audit.bounds import (
     clopper_pearson,
     epsilon_lower_bound,
@@ -17,6 +22,7 @@ __all__ = [
     "AuditResult",
     "DirectionCanary",
     "audit_gaussian_sum",
+    "audit_last_layer_dp_ls",
     "audit_scores",
     "clopper_pearson",
     "direction_canary",

@@ -64,3 +64,31 @@ def test_audit_scores_with_a_fixed_threshold_counts_every_trial():
 def test_audit_scores_refuses_non_finite_scores():
     with pytest.raises(ValueError, match="finite"):
         audit.audit_scores([1, np.nan], [0, 0], 1.0, DELTA)
+
+
+@pytest.fixture
+def host_noise_divided_by_10(monkeypatch):
+    from kdpemb.privacy import host_noise
+
+    for name in ("gaussian_noise", "symmetric_noise"):
+        real = getattr(host_noise, name)
+        monkeypatch.setattr(
+            host_noise, name, lambda *a, real=real, **k: real(*a, **k) / 10
+        )
+
+
+def dp_ls_audit():
+    return audit.audit_last_layer_dp_ls(
+        2.0, DELTA, trials=1200, confidence=CONFIDENCE, seed=0
+    )
+
+
+def test_last_layer_dp_ls_audit_stays_below_the_claimed_epsilon():
+    result = dp_ls_audit()
+    assert 1.5 < result.claimed_epsilon < 2.5
+    assert not result.violated, result
+
+
+def test_last_layer_dp_ls_audit_catches_noise_divided_by_10(host_noise_divided_by_10):
+    result = dp_ls_audit()
+    assert result.violated, result
