@@ -49,6 +49,7 @@ def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
         ("plots", "evaluation.md"),
         ("models", ("fedemb.md", "last_layer.md", "dp_sgd.md")),
         ("features", "last_layer.md"),
+        ("audit", "audit.md"),
     ],
 )
 def test_every_public_name_is_documented(module, page):

@@ -175,3 +175,14 @@ def test_dp_sgd_finetune_example_compares_full_and_last_layer_at_one_epsilon():
         accuracy, epsilon = float(row[-3]), float(row[-2])
         assert 0.0 <= accuracy <= 1.0
         assert 0.99 * 3 <= epsilon <= 3  # Each calibrated to the target.
+
+
+def test_audit_example_bounds_the_real_mechanisms_and_catches_the_broken_ones():
+    lines = [
+        json.loads(line)
+        for line in run_example("audit_dp_sgd.py", "--quick", "--json").splitlines()
+        if line.startswith("{")
+    ]
+    assert len(lines) == 2
+    for row in lines:
+        assert row["lower_bound"] <= row["claimed_epsilon"] < row["broken_lower_bound"]
