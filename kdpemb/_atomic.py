@@ -44,8 +44,12 @@ def _fsync_path(path, directory=False):
 
 
 @contextlib.contextmanager
-def atomic_path(path):
+def atomic_path(path, durable=True):
     """Yields a temporary path; on success, moves it onto `path` atomically.
+
+    `durable=False` skips the fsyncs: the replacement is still atomic for a
+    killed process (the kernel keeps what was written), but not across a
+    power loss or an operating-system crash.
 
     The temporary name ends with the target's name, so suffix checks (such
     as Keras' ".keras" and ".weights.h5") accept it. On an exception the
@@ -59,16 +63,18 @@ def atomic_path(path):
     )
     try:
         yield temporary
-        _fsync_path(temporary)
+        if durable:
+            _fsync_path(temporary)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temporary)
         raise
-    _fsync_path(directory, directory=True)
+    if durable:
+        _fsync_path(directory, directory=True)
 
 
-def write_text(path, text):
+def write_text(path, text, durable=True):
     """Writes `text` to `path` atomically (see `atomic_path`)."""
-    with atomic_path(path) as temporary, open(temporary, "w", encoding="utf-8") as f:
+    with atomic_path(path, durable) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

@@ -36,10 +36,16 @@ class PrivacyLedger(keras.callbacks.Callback):
     mechanism: give each training run its own path, and keep it after the
     run (it is the record of what the run spent;
     `kdpemb.privacy.ledger_statement` states it even if the run is never
-    resumed). Each private step costs one small file write and fsync.
+    resumed). Each private step costs one small atomic file write: about
+    10 ms with `durable=True` (fsync) and 0.7 ms without on a container's
+    overlay disk, less on a local SSD.
 
     Args:
         path: str or path. The ledger file (JSON), e.g. next to the backup.
+        durable: bool. True (default): each write is fsynced, so the ledger
+            also survives a power loss or an OS crash. False: it survives
+            a killed process (SIGKILL, out of memory), which is what
+            `BackupAndRestore` is for, at a fraction of the cost.
         verbose: int. 1 prints when the ledger raises `private_steps`.
 
     Attributes:
@@ -66,7 +72,7 @@ class PrivacyLedger(keras.callbacks.Callback):
     12
     """
 
-    def __init__(self, path, verbose=1):
+    def __init__(self, path, durable=True, verbose=1):
         super().__init__()
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
@@ -79,9 +85,11 @@ class PrivacyLedger(keras.callbacks.Callback):
                 f"path={self.path!r} is a directory; PrivacyLedger needs a file "
                 "path, e.g. os.path.join(backup_dir, 'privacy_ledger.json')."
             )
+        self.durable = bool(durable)
         self.verbose = verbose
         self.restored_steps = 0
         self._mechanism = None
+        self._record = None
         self._floor = 0
         self._counted = 0
         self._batch_begin = 0
@@ -103,6 +111,7 @@ class PrivacyLedger(keras.callbacks.Callback):
                 )
             model.private_steps.assign(record["steps"])
             steps = record["steps"]
+        self._record = ledger.ledger_record(self._mechanism, steps, self._model_name())
         self._floor = self._counted = steps
         self._write(steps)
 
@@ -130,7 +139,8 @@ class PrivacyLedger(keras.callbacks.Callback):
         return type(self.model).__name__
 
     def _write(self, steps):
-        ledger.write_ledger(self.path, self._mechanism, steps, self._model_name())
+        self._record["steps"] = int(steps)
+        ledger.write_record(self.path, self._record, self.durable)
 
     def _execution_steps(self, batch):
         """Steps the execution that begins at `batch` runs (at most)."""

@@ -59,7 +59,7 @@ def ledger_record(mechanism, steps, model=None):
     }
 
 
-def write_ledger(path, mechanism, steps, model=None):
+def write_ledger(path, mechanism, steps, model=None, durable=True):
     """Atomically replaces the ledger at `path` with `steps` of `mechanism`.
 
     Args:
@@ -67,9 +67,16 @@ def write_ledger(path, mechanism, steps, model=None):
         mechanism: `kdpemb.privacy.Mechanism`. The mechanism of every step.
         steps: int. Private steps begun so far.
         model: str or None. The model's class name, checked on resume.
+        durable: bool. True (default) fsyncs, so the ledger survives a
+            power loss; False survives a killed process only (faster).
     """
-    text = json.dumps(ledger_record(mechanism, steps, model), sort_keys=True)
-    _atomic.write_text(path, text + "\n")
+    write_record(path, ledger_record(mechanism, steps, model), durable)
+
+
+def write_record(path, record, durable=True):
+    """Atomically writes a `ledger_record` dict (its steps may be updated)."""
+    text = json.dumps(record, sort_keys=True)
+    _atomic.write_text(path, text + "\n", durable)
 
 
 def read_ledger(path, mechanism=None, model=None):
