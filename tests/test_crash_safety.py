@@ -151,3 +151,25 @@ def test_a_kill_during_a_save_leaves_the_previous_file_whole_if_atomic(tmp_path)
     # Why they exist: Keras writes into the previous file.
     with pytest.raises(Exception):  # noqa: B017 (any load error)
         load(tmp_path / "plain.keras")
+
+
+def test_a_restore_after_the_ledger_is_refused_before_any_step(tmp_path):
+    from kdpemb.callbacks import PrivacyLedger
+    from kdpemb.privacy import protocol
+    from kdpemb.testing import ToyDPRegressor, toy_regression_data
+
+    class RestoresOlder(keras.callbacks.Callback):  # BackupAndRestore, misplaced
+        def on_train_begin(self, logs=None):
+            self.model.private_steps.assign(2)
+
+    model = ToyDPRegressor(child.N, child.D, child.NOISE, child.Q)
+    model.compile(optimizer="sgd")
+    data = toy_regression_data(child.N, child.D, steps_per_epoch=3)
+    path = tmp_path / "ledger.json"
+    model.fit(data, epochs=2, verbose=0, callbacks=[PrivacyLedger(path)])
+    with pytest.raises(RuntimeError, match="went down to 2"):
+        model.fit(
+            data, verbose=0, callbacks=[PrivacyLedger(path, verbose=0), RestoresOlder()]
+        )
+    assert protocol.read_private_steps(model) == 2  # No step ran.
+    assert ledger.read_ledger(path)["steps"] == 6
