@@ -29,6 +29,7 @@ _SUBMODULES = (
     "models",
     "plots",
     "privacy",
+    "saving",
     "testing",
 )
 

@@ -1,8 +1,16 @@
 """Keras callbacks of kdpemb. Importing this module imports Keras."""
 
+from kdpemb.callbacks.atomic_backup import AtomicBackupAndRestore
 from kdpemb.callbacks.privacy_budget import PrivacyBudget
+from kdpemb.callbacks.privacy_ledger import PrivacyLedger
 from kdpemb.callbacks.recall_at_far import RecallAtFAR
 from kdpemb.callbacks.rich_progress import RichProgress
 from kdpemb.errors import PrivacyBudgetExhaustedError  # noqa: F401 (see errors)
 
-__all__ = ["PrivacyBudget", "RecallAtFAR", "RichProgress"]
+__all__ = [
+    "AtomicBackupAndRestore",
+    "PrivacyBudget",
+    "PrivacyLedger",
+    "RecallAtFAR",
+    "RichProgress",
+]

@@ -32,6 +32,7 @@ from kdpemb.privacy.deployment import (
     deployment_schedule,
     simulated_deployment,
 )
+from kdpemb.privacy.ledger import ledger_statement
 from kdpemb.privacy.mechanisms import (
     ZCDP,
     GaussianRelease,
@@ -73,6 +74,7 @@ __all__ = [
     "epsilon",
     "full_batch",
     "gaussian_releases",
+    "ledger_statement",
     "privacy_statement",
     "simulated_deployment",
     "tree_aggregation",

@@ -1,0 +1,45 @@
+"""AtomicBackupAndRestore: Keras' BackupAndRestore, with atomic saves."""
+
+import json
+import os
+import shutil
+
+import keras
+
+from kdpemb import _atomic, saving
+
+
+class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` whose backups are written atomically.
+
+    Keras writes the backup weights into the previous backup file, so a
+    process killed while saving leaves a truncated file that the restart
+    cannot load. This subclass writes the weights and the training metadata
+    each to a temporary file and `os.replace`s it (`kdpemb.saving`): a kill
+    at any point leaves the previous backup or the new one. The weights are
+    replaced first; a kill before the metadata follows leaves new weights
+    (their `private_steps` included) with the previous epoch number, from
+    which Keras reruns that epoch. Arguments and restoring are Keras';
+    `backup_dir` must be a local directory.
+
+    Use it with `kdpemb.callbacks.PrivacyLedger` after it, so that steps
+    run after the last backup are still counted:
+
+        callbacks=[AtomicBackupAndRestore(backup_dir, save_freq=k),
+                   PrivacyLedger(ledger_path), PrivacyBudget(...)]
+    """
+
+    def _save_model(self):
+        if self.double_checkpoint:
+            for source, copy in (
+                (self._weights_path, self._prev_weights_path),
+                (self._training_metadata_path, self._prev_training_metadata_path),
+            ):
+                if os.path.exists(source):
+                    with _atomic.atomic_path(copy) as temporary:
+                        shutil.copyfile(source, temporary)
+        saving.save_weights(self.model, self._weights_path, overwrite=True)
+        _atomic.write_text(
+            self._training_metadata_path,
+            json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen}),
+        )

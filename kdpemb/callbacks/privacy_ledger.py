@@ -1,0 +1,169 @@
+"""PrivacyLedger: a write-ahead step count, so a killed fit loses no step."""
+
+import os
+
+import keras
+
+from kdpemb.privacy import ledger
+from kdpemb.privacy.protocol import check_private_model, read_private_steps
+
+
+class PrivacyLedger(keras.callbacks.Callback):
+    """Counts every private step on disk before it runs, and resumes from it.
+
+    A checkpoint every k steps (`keras.callbacks.BackupAndRestore(
+    save_freq=k)`) restores a `private_steps` that leaves out the steps run
+    after it, though what they released may have been seen. This callback
+    closes the gap with a write-ahead ledger (`kdpemb.privacy.ledger`):
+
+    - before each execution of `train_step` (`on_train_batch_begin`) it
+      atomically rewrites the ledger file with the number of private steps
+      that will then have begun, so a kill at any point leaves a count that
+      is never below the steps that ran;
+    - when training begins it raises the model's `private_steps` to the
+      ledger's count if a restore went back (it never lowers it) and says
+      so. `private_steps` is what `PrivacyBudget`, `privacy_statement` and
+      target-ε plans read, so from then on they count the lost steps;
+    - at each epoch end and at train end, where every backend has synced
+      the model, it writes the model's own count (exact: a call of
+      `train_step` that added 0 read no private data).
+
+    Put it after `BackupAndRestore` (whose `on_train_begin` restores the
+    weights) and before `PrivacyBudget`; a fit whose `private_steps` goes
+    below the ledger's count after this callback began is refused before
+    its first step. The ledger records the model's class and its
+    mechanism's parameters, and refuses a model of another class or
+    mechanism: give each training run its own path, and keep it after the
+    run (it is the record of what the run spent;
+    `kdpemb.privacy.ledger_statement` states it even if the run is never
+    resumed). Each private step costs one small atomic file write: about
+    10 ms with `durable=True` (fsync) and 0.7 ms without on a container's
+    overlay disk, less on a local SSD.
+
+    Args:
+        path: str or path. The ledger file (JSON), e.g. next to the backup.
+        durable: bool. True (default): each write is fsynced, so the ledger
+            also survives a power loss or an OS crash. False: it survives
+            a killed process (SIGKILL, out of memory), which is what
+            `BackupAndRestore` is for, at a fraction of the cost.
+        verbose: int. 1 prints when the ledger raises `private_steps`.
+
+    Attributes:
+        restored_steps: int. The steps this fit's start added to
+            `private_steps` from the ledger (0 when nothing was lost).
+
+    Example:
+
+    >>> import os, tempfile, kdpemb
+    >>> model = kdpemb.testing.ToyDPRegressor(
+    ...     num_examples=64, num_features=3, noise_multiplier=1.5,
+    ...     sampling_probability=0.1)
+    >>> model.compile(optimizer="sgd")
+    >>> data = kdpemb.testing.toy_regression_data(64, 3, steps_per_epoch=4)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ledger.json")
+    >>> ledger = kdpemb.callbacks.PrivacyLedger(path)
+    >>> _ = model.fit(data, epochs=2, verbose=0, callbacks=[ledger])
+    >>> kdpemb.privacy.ledger.read_ledger(path)["steps"]
+    8
+    >>> _ = model.private_steps.assign(5)  # As a restored checkpoint would.
+    >>> _ = model.fit(data, epochs=1, verbose=0, callbacks=[ledger])
+    PrivacyLedger: the model restored 5 private steps, but the ledger ... 8.
+    >>> kdpemb.privacy.protocol.read_private_steps(model)
+    12
+    """
+
+    def __init__(self, path, durable=True, verbose=1):
+        super().__init__()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"path must be a file path (str or os.PathLike), got "
+                f"{type(path).__name__}."
+            )
+        self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            raise ValueError(
+                f"path={self.path!r} is a directory; PrivacyLedger needs a file "
+                "path, e.g. os.path.join(backup_dir, 'privacy_ledger.json')."
+            )
+        self.durable = bool(durable)
+        self.verbose = verbose
+        self.restored_steps = 0
+        self._mechanism = None
+        self._record = None
+        self._floor = 0
+        self._counted = 0
+        self._batch_begin = 0
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._mechanism = check_private_model(model)
+        record = ledger.read_ledger(self.path, self._mechanism, self._model_name())
+        steps = read_private_steps(model)
+        self.restored_steps = 0
+        if record is not None and record["steps"] > steps:
+            self.restored_steps = record["steps"] - steps
+            if self.verbose:
+                print(
+                    f"PrivacyLedger: the model restored {steps} private steps, "
+                    f"but the ledger {self.path} counts {record['steps']} begun; "
+                    f"private_steps is raised to {record['steps']}.",
+                    flush=True,
+                )
+            model.private_steps.assign(record["steps"])
+            steps = record["steps"]
+        self._record = ledger.ledger_record(self._mechanism, steps, self._model_name())
+        self._floor = self._counted = steps
+        self._write(steps)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # Synced on every backend: nothing may have lowered the count.
+        self._counted = self._checked_steps()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+        self._write(self._counted + self._execution_steps(batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Keras reports the first and last step of each execution.
+        self._counted += batch - self._batch_begin + 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._sync()
+
+    def on_train_end(self, logs=None):
+        self._sync()
+
+    # Helpers.
+
+    def _model_name(self):
+        return type(self.model).__name__
+
+    def _write(self, steps):
+        self._record["steps"] = int(steps)
+        ledger.write_record(self.path, self._record, self.durable)
+
+    def _execution_steps(self, batch):
+        """Steps the execution that begins at `batch` runs (at most)."""
+        size = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        per_epoch = (self.params or {}).get("steps")
+        if per_epoch:
+            size = max(1, min(size, int(per_epoch) - batch))
+        return size
+
+    def _checked_steps(self):
+        steps = read_private_steps(self.model)
+        if steps < self._floor:
+            raise RuntimeError(
+                f"{self._model_name()}.private_steps went down to {steps} after "
+                f"PrivacyLedger counted {self._floor} private steps: a callback "
+                "after PrivacyLedger restored an older checkpoint. Put "
+                "PrivacyLedger after keras.callbacks.BackupAndRestore in the "
+                "callbacks list."
+            )
+        return steps
+
+    def _sync(self):
+        if self._mechanism is None:
+            return
+        self._counted = self._checked_steps()
+        self._write(self._counted)

@@ -1,0 +1,139 @@
+"""The privacy ledger: a write-ahead count of the private steps a run began.
+
+A checkpoint taken every k steps leaves out the steps that ran after it
+when the process is killed; what those steps released may already have
+been seen (logs, other checkpoints). The ledger is a small JSON file that
+is rewritten atomically (`kdpemb._atomic`) before each private step with
+the number of steps that will then have begun, so it never holds fewer
+than the steps that ran. `kdpemb.callbacks.PrivacyLedger` keeps it during
+`fit` and raises a restored model's `private_steps` to it; this module
+reads and writes the file and states the ε of its count.
+
+The file records the model's class and the mechanism's parameters
+(`Mechanism.parameters()`): the count composes only steps of that
+mechanism, and a ledger is refused for any other.
+
+Example:
+
+>>> import os, tempfile
+>>> from kdpemb import privacy
+>>> mechanism = privacy.dp_sgd(1.1, batch_size=256, num_examples=60_000)
+>>> path = os.path.join(tempfile.mkdtemp(), "ledger.json")
+>>> write_ledger(path, mechanism, steps=14_063, model="MyDPModel")
+>>> read_ledger(path, mechanism)["steps"]
+14063
+>>> round(ledger_statement(path, mechanism, delta=1e-5).epsilon, 2)
+2.38
+"""
+
+import json
+import os
+
+from kdpemb import _atomic
+from kdpemb import _validation as validation
+from kdpemb.privacy.mechanisms import Mechanism
+from kdpemb.privacy.statement import PrivacyStatement
+
+FORMAT = "kdpemb.privacy_ledger"
+VERSION = 1
+
+
+def mechanism_parameters(mechanism):
+    """The mechanism's parameters as they read back from JSON."""
+    if not isinstance(mechanism, Mechanism):
+        raise TypeError(
+            f"mechanism must be a kdpemb.privacy.Mechanism, got "
+            f"{type(mechanism).__name__}."
+        )
+    return json.loads(json.dumps(mechanism.parameters(), default=str))
+
+
+def ledger_record(mechanism, steps, model=None):
+    """The ledger's content as a dict (see `write_ledger`)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model,
+        "mechanism": mechanism_parameters(mechanism),
+        "steps": validation.check_steps(steps, minimum=0),
+    }
+
+
+def write_ledger(path, mechanism, steps, model=None, durable=True):
+    """Atomically replaces the ledger at `path` with `steps` of `mechanism`.
+
+    Args:
+        path: str or path. The ledger file (JSON).
+        mechanism: `kdpemb.privacy.Mechanism`. The mechanism of every step.
+        steps: int. Private steps begun so far.
+        model: str or None. The model's class name, checked on resume.
+        durable: bool. True (default) fsyncs, so the ledger survives a
+            power loss; False survives a killed process only (faster).
+    """
+    write_record(path, ledger_record(mechanism, steps, model), durable)
+
+
+def write_record(path, record, durable=True):
+    """Atomically writes a `ledger_record` dict (its steps may be updated)."""
+    text = json.dumps(record, sort_keys=True)
+    _atomic.write_text(path, text + "\n", durable)
+
+
+def read_ledger(path, mechanism=None, model=None):
+    """The ledger at `path` as a dict, or None where there is none yet.
+
+    Args:
+        path: str or path.
+        mechanism: `Mechanism` or None. If given, the ledger must record
+            this mechanism (else a `ValueError` names both).
+        model: str or None. If given (and recorded), the ledger must
+            record this model class.
+    """
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:  # Not written by write_ledger.
+        raise ValueError(
+            f"{path} is not a privacy ledger ({error}); kdpemb writes ledgers "
+            "atomically, so this file was written by something else. Pass "
+            "another path."
+        ) from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a kdpemb privacy ledger. Pass another path.")
+    if record.get("version") != VERSION:
+        raise ValueError(
+            f"{path} is a privacy ledger of version {record.get('version')!r}; "
+            f"this kdpemb reads version {VERSION}."
+        )
+    record["steps"] = validation.check_steps(record.get("steps"), minimum=0)
+    if model is not None and record.get("model") not in (None, model):
+        raise ValueError(
+            f"The privacy ledger {path} counts the steps of a "
+            f"{record['model']}, not of this {model}. Give each training run "
+            "its own ledger path."
+        )
+    if mechanism is not None and record["mechanism"] != mechanism_parameters(mechanism):
+        raise ValueError(
+            f"The privacy ledger {path} counts {record['steps']} steps of the "
+            f"mechanism {record['mechanism']}, not of this one "
+            f"{mechanism_parameters(mechanism)}: its steps cannot be composed "
+            "with this mechanism's. Resume the run that wrote it with the same "
+            "settings, or give a new run its own ledger path."
+        )
+    return record
+
+
+def ledger_statement(path, mechanism, delta, accountant=None):
+    """The `PrivacyStatement` of the steps the ledger at `path` counts.
+
+    This is what a run spent even if it was killed and never resumed: every
+    step it began is counted. `mechanism` must be the one recorded.
+    """
+    record = read_ledger(path, mechanism)
+    if record is None:
+        raise FileNotFoundError(f"No privacy ledger at {os.fspath(path)!r}.")
+    return PrivacyStatement.compute(mechanism, record["steps"], delta, accountant)

@@ -1,0 +1,51 @@
+"""Atomic model saves: a kill mid-save leaves the old file whole, never half.
+
+`keras.saving.save_model` and `Model.save_weights` (and so
+`keras.callbacks.ModelCheckpoint` and `BackupAndRestore`) open the target
+file and write into it: a process killed while saving leaves a truncated
+file where the last good one was. `save_model` and `save_weights` here
+write to a temporary file in the same directory, fsync it and
+`os.replace` it onto the target, so the target is always either the
+previous complete file or the new one. `kdpemb.callbacks.AtomicBackupAndRestore`
+saves its backups this way. Importing this module imports Keras.
+
+Example:
+
+>>> import os, tempfile, kdpemb
+>>> model = kdpemb.testing.ToyDPRegressor(
+...     num_examples=8, num_features=2, noise_multiplier=1.0,
+...     sampling_probability=0.5)
+>>> path = os.path.join(tempfile.mkdtemp(), "model.weights.h5")
+>>> save_weights(model, path)
+>>> os.listdir(os.path.dirname(path))
+['model.weights.h5']
+"""
+
+import keras
+
+from kdpemb import _atomic
+
+__all__ = ["save_model", "save_weights"]
+
+
+def save_model(model, filepath, **kwargs):
+    """`keras.saving.save_model(model, filepath, **kwargs)`, atomically.
+
+    `filepath` is a single file (".keras"); `kwargs` go to Keras.
+    """
+    with _atomic.atomic_path(filepath) as temporary:
+        keras.saving.save_model(model, temporary, **kwargs)
+
+
+def save_weights(model, filepath, **kwargs):
+    """`model.save_weights(filepath, **kwargs)`, atomically.
+
+    `filepath` ends with ".weights.h5" (a single file, not sharded).
+    """
+    if kwargs.get("max_shard_size") is not None:
+        raise ValueError(
+            "save_weights writes one file atomically; sharded weights "
+            "(max_shard_size) are several files. Save without max_shard_size."
+        )
+    with _atomic.atomic_path(filepath) as temporary:
+        model.save_weights(temporary, **kwargs)

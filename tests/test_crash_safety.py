@@ -1,0 +1,175 @@
+"""A fit killed with SIGKILL and resumed from its checkpoint loses no private
+step, never passes its target ε, and a kill mid-save leaves a whole file."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import dp_accounting as dpa
+import keras
+import numpy as np
+import pytest
+
+from kdpemb import _atomic, privacy
+from kdpemb.privacy import ledger
+from tests import crash_child as child
+
+CHILD = pathlib.Path(child.__file__)
+ROOT = CHILD.parents[1]
+
+
+def start(*args):
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=keras.backend.backend(),
+        CUDA_VISIBLE_DEVICES="-1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def kill_when(process, line):
+    """SIGKILLs `process` once it prints `line` (it then waits to be killed)."""
+    for output in process.stdout:
+        if output.strip() == line:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=60)
+            assert process.returncode == -signal.SIGKILL
+            return
+    process.wait(timeout=60)
+    raise AssertionError(f"exited without {line!r}: {process.stderr.read()}")
+
+
+def run_to_end(process):
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert "DONE" in stdout
+    return stdout
+
+
+def dp_accounting_epsilon(steps):
+    """ε of `steps` Poisson-sampled Gaussian steps, from dp-accounting itself."""
+    event = dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(child.Q, dpa.GaussianDpEvent(child.NOISE)), steps
+    )
+    accountant = dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+    return accountant.compose(event).get_epsilon(child.DELTA)
+
+
+def no_partial_files(directory):
+    return [
+        path
+        for path in pathlib.Path(directory).rglob("*")
+        if path.name.startswith(_atomic.PARTIAL_PREFIX)
+    ]
+
+
+# Kill points: after the ledger counts `s` steps, at the begin of step s
+# (begun, not run) or at its end (run); never on a backup (every 4 steps).
+rng = np.random.default_rng(21)
+KILLS = [
+    (int(rng.choice([s for s in range(3, 18) if s % child.SAVE_FREQ])), phase)
+    for phase in ("begin", "end")
+]
+
+
+@pytest.mark.parametrize(("pause_at", "phase"), KILLS)
+def test_a_killed_fit_resumes_with_every_step_it_began_counted(
+    tmp_path, pause_at, phase
+):
+    kill_when(start("fit", tmp_path, pause_at, phase), "PAUSED")
+    where = child.paths(tmp_path)
+    counted = ledger.read_ledger(where["ledger"])["steps"]
+    ran = pause_at if phase == "end" else pause_at - 1
+    assert counted == pause_at >= ran  # Never fewer than the steps that ran.
+    assert not os.path.exists(where["result"])
+
+    run_to_end(start("fit", tmp_path, -1, phase))
+    result = json.loads(pathlib.Path(where["result"]).read_text())
+    # The backup alone would have lost steps; the ledger restored them.
+    assert result["restored_steps"] < counted
+    assert result["ledger_raised_by"] == counted - result["restored_steps"]
+    # Exact: the steps counted before the kill plus those run after.
+    final = counted + result["batches_run"]
+    assert result["private_steps"] == result["statement_steps"] == final
+    assert ledger.read_ledger(where["ledger"])["steps"] == final
+    # ε is that of the count, and never above the target.
+    mechanism = privacy.dp_sgd(
+        child.NOISE, batch_size=child.Q * child.N, num_examples=child.N, clip_norm=1.0
+    )
+    epsilon = privacy.epsilon(mechanism, final, child.DELTA)
+    assert result["statement_epsilon"] == pytest.approx(epsilon, rel=1e-9)
+    assert epsilon == pytest.approx(dp_accounting_epsilon(final), rel=1e-3)
+    statement = privacy.ledger_statement(where["ledger"], mechanism, child.DELTA)
+    assert statement.epsilon == pytest.approx(epsilon, rel=1e-9)
+    assert final == result["step_budget"]  # It ran until the budget.
+    logged = [float(x) for x in pathlib.Path(where["epsilons"]).read_text().split()]
+    assert max([*logged, epsilon]) <= child.TARGET
+    assert dp_accounting_epsilon(final + 1) > child.TARGET  # The budget binds.
+    assert no_partial_files(tmp_path) == []
+
+
+def test_the_ledger_refuses_another_mechanism(tmp_path):
+    path = tmp_path / "ledger.json"
+    mechanism = privacy.dp_sgd(1.5, batch_size=6.4, num_examples=64)
+    ledger.write_ledger(path, mechanism, 7, model="ToyDPRegressor")
+    other = privacy.dp_sgd(1.0, batch_size=6.4, num_examples=64)
+    with pytest.raises(ValueError, match="not of this one"):
+        ledger.read_ledger(path, other)
+    with pytest.raises(ValueError, match="not of this MyModel"):
+        ledger.read_ledger(path, mechanism, model="MyModel")
+    assert ledger.read_ledger(path, mechanism, "ToyDPRegressor")["steps"] == 7
+
+
+def load(path):
+    if path.name.endswith(".weights.h5"):
+        model = child.small_model(0.0)
+        model.load_weights(path)
+        return model
+    return keras.saving.load_model(
+        path, custom_objects={"PausesWhileSaved": child.PausesWhileSaved}
+    )
+
+
+def test_a_kill_during_a_save_leaves_the_previous_file_whole_if_atomic(tmp_path):
+    kill_when(start("save", tmp_path), "SAVING")
+    # Each atomic save leaves its previous file, whole, and a partial file.
+    assert len(no_partial_files(tmp_path)) == 2
+    for name in ("atomic.keras", "atomic.weights.h5"):
+        for variable in load(tmp_path / name).weights:
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), 1.0)
+    # Why they exist: Keras writes into the previous file.
+    with pytest.raises(Exception):  # noqa: B017 (any load error)
+        load(tmp_path / "plain.keras")
+
+
+def test_a_restore_after_the_ledger_is_refused_before_any_step(tmp_path):
+    from kdpemb.callbacks import PrivacyLedger
+    from kdpemb.privacy import protocol
+    from kdpemb.testing import ToyDPRegressor, toy_regression_data
+
+    class RestoresOlder(keras.callbacks.Callback):  # BackupAndRestore, misplaced
+        def on_train_begin(self, logs=None):
+            self.model.private_steps.assign(2)
+
+    model = ToyDPRegressor(child.N, child.D, child.NOISE, child.Q)
+    model.compile(optimizer="sgd")
+    data = toy_regression_data(child.N, child.D, steps_per_epoch=3)
+    path = tmp_path / "ledger.json"
+    model.fit(data, epochs=2, verbose=0, callbacks=[PrivacyLedger(path)])
+    with pytest.raises(RuntimeError, match="went down to 2"):
+        model.fit(
+            data, verbose=0, callbacks=[PrivacyLedger(path, verbose=0), RestoresOlder()]
+        )
+    assert protocol.read_private_steps(model) == 2  # No step ran.
+    assert ledger.read_ledger(path)["steps"] == 6
