@@ -42,13 +42,23 @@ PAIRS = ("all", "in_batch")
 
 
 def _check_embeddings(embeddings, labels):
-    embeddings = np.asarray(embeddings)
+    try:
+        embeddings = np.asarray(embeddings)
+    except ValueError as error:  # A ragged list.
+        raise ValueError(
+            f"embeddings must be a (num_examples, dim) array ({error})."
+        ) from error
     if embeddings.ndim != 2:
         raise ValueError(
             f"embeddings must have shape (num_examples, dim), got {embeddings.shape}."
         )
     if embeddings.dtype.kind not in "fiu":
         raise ValueError(f"embeddings must be numbers, got dtype {embeddings.dtype}.")
+    if embeddings.shape[1] == 0:
+        raise ValueError(
+            f"embeddings have no dimensions (shape {embeddings.shape}); pass "
+            "(num_examples, dim) embeddings with dim >= 1."
+        )
     embeddings = embeddings.astype(np.float64)
     finite = np.isfinite(embeddings).all(axis=1)
     if not finite.all():
@@ -66,9 +76,18 @@ def _check_embeddings(embeddings, labels):
             f"labels must have shape ({len(embeddings)},), one identity per "
             f"embedding, got {labels.shape}."
         )
+    if labels.dtype.kind not in "biufUS":
+        raise ValueError(
+            f"labels must be integer identities (or names), got dtype {labels.dtype}."
+        )
     if labels.dtype.kind == "f" and (labels != np.round(labels)).any():
-        raise ValueError("labels must be integer identities, got fractions.")
+        raise ValueError(
+            "labels must be integer identities, got fractions, NaN or infinity."
+        )
     _, labels = np.unique(labels, return_inverse=True)
+    # Scaled by the largest entry first, so that huge values do not overflow.
+    peak = np.abs(embeddings).max(axis=1, keepdims=True)
+    embeddings = embeddings / np.where(peak > 0, peak, 1.0)
     norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
     # A zero embedding has similarity 0 with everything.
     return embeddings / np.maximum(norms, 1e-12), labels.astype(np.int64)
@@ -82,7 +101,12 @@ def _pair_counts(labels):
 
 
 def _check_far(far):
-    values = np.atleast_1d(np.asarray(far, dtype=float))
+    try:
+        values = np.atleast_1d(np.asarray(far, dtype=float))
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"far must be a float or a list of floats, got {far!r}."
+        ) from error
     if values.ndim != 1 or values.size == 0:
         raise ValueError(f"far must be a float or a list of floats, got {far!r}.")
     for value in values:
@@ -196,12 +220,14 @@ def _in_batch_scores(unit, labels, batch_size):
 
 
 def _scores(embeddings, labels, pairs, batch_size, keep_far):
-    if pairs not in PAIRS:
+    if not isinstance(pairs, str) or pairs not in PAIRS:
         raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
     unit, labels = _check_embeddings(embeddings, labels)
-    if labels.size < 2 or labels.max() == 0:
+    if labels.size == 0:
+        raise ValueError("embeddings and labels are empty: nothing to verify.")
+    if labels.max() == 0:
         raise ValueError(
-            f"Verification needs at least two identities; got {labels.max() + 1} "
+            "Verification needs at least two identities in labels; got 1 "
             f"identity among {labels.size} embeddings, so there is no "
             "impostor pair."
         )
