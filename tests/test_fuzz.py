@@ -145,7 +145,7 @@ DP_SGD_BAD = {
 }
 
 
-@fuzz(60)
+@fuzz(40)
 @given(good_dp_sgd(), st.data())
 def test_dp_sgd(kwargs, data):
     mechanism = privacy.dp_sgd(**kwargs)
@@ -213,13 +213,24 @@ VC_BAD = {
 }
 
 
-@fuzz(60)
+@fuzz(40)
 @given(good_virtual_clients(), st.data())
 def test_virtual_clients(kwargs, data):
     mechanism = privacy.virtual_clients(**kwargs)
     assert mechanism.population == kwargs["num_users"]
     name = data.draw(st.sampled_from(sorted(VC_BAD)))
-    bad = {**kwargs, name: data.draw(VC_BAD[name])}
+    value = data.draw(VC_BAD[name])
+    if (
+        value is None
+        and name == "clients_per_round"
+        and kwargs["sampling"]
+        in (
+            "full_batch",
+            "epochs",
+        )
+    ):
+        value = -1.0  # None: the whole pool (full batch), valid.
+    bad = {**kwargs, name: value}
     rejects(lambda: privacy.virtual_clients(**bad), name)
 
 
@@ -298,11 +309,11 @@ def bad_delta():
     )
 
 
-@fuzz(40)
+@fuzz(25)
 @given(st.sampled_from(sorted(MECHANISMS)), st.data())
 def test_epsilon_and_delta(kind, data):
     mechanism = MECHANISMS[kind]
-    steps = data.draw(st.integers(1, 200))
+    steps = data.draw(st.integers(1, 100))
     with time_limit():
         eps = privacy.epsilon(mechanism, steps, 1e-6)
         assert 0 < eps < INF
@@ -339,15 +350,15 @@ def test_extreme_noise_multipliers(kind, data):
             assert eps >= 0
 
 
-@fuzz(25)
+@fuzz(15)
 @given(st.data())
 def test_max_steps(data):
     accountant = privacy.Accountant(MECHANISMS["dp_sgd"])
     target = data.draw(st.floats(0.1, 5.0))
     with time_limit():
-        steps = accountant.max_steps(1e-6, target_epsilon=target, limit=1000)
-    assert 0 <= steps <= 1000
-    if 0 < steps < 1000:
+        steps = accountant.max_steps(1e-6, target_epsilon=target, limit=300)
+    assert 0 <= steps <= 300
+    if 0 < steps < 300:
         assert accountant.epsilon(steps, 1e-6) <= target
         assert accountant.epsilon(steps + 1, 1e-6) > target
     rejects(
@@ -361,7 +372,7 @@ def test_max_steps(data):
         "delta",
     )
     bad_limit = st.one_of(bad_positive_int(), st.integers(max_value=-1)).filter(
-        lambda v: v is not None and v is not False and v != 0
+        lambda v: v is not None and not (type(v) is int and v == 0)  # Both valid.
     )
     rejects(
         lambda: accountant.max_steps(
@@ -432,7 +443,7 @@ def test_recall_at_far_good(good, data):
     assert recall == reference
 
 
-@fuzz(60)
+@fuzz(40)
 @given(good_embeddings(), st.data())
 def test_recall_at_far_bad(good, data):
     embeddings, labels = good
