@@ -21,6 +21,17 @@ def check_finite_real(value, name):
     return float(value)
 
 
+def check_choice(value, choices, name):
+    """Checks that `value` is one of the strings `choices`.
+
+    >>> check_choice("pld", ("pld", "rdp"), "accountant")
+    'pld'
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}.")
+    return value
+
+
 def check_probability(value, name="sampling_probability"):
     """Checks `0 < value <= 1` (a sampling rate)."""
     value = check_finite_real(value, name)
@@ -33,13 +44,24 @@ def check_probability(value, name="sampling_probability"):
     return value
 
 
+# Multipliers the accountants can evaluate: below 1e-6 (other than 0) ε is
+# above 1e12 and their arithmetic underflows; above 1e12 it overflows.
+MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER = 1e-6, 1e12
+
+
 def check_noise_multiplier(value, name="noise_multiplier"):
-    """Checks `value >= 0` (0 means no noise and no privacy: ε = inf)."""
+    """Checks `value` = 0 (no noise and no privacy: ε = inf) or in [1e-6, 1e12]."""
     value = check_finite_real(value, name)
     if value < 0:
         raise ValueError(
             f"{name} must be >= 0, got {value!r}. It is the noise standard "
             "deviation divided by the clip norm (sensitivity)."
+        )
+    if value and not MIN_NOISE_MULTIPLIER <= value <= MAX_NOISE_MULTIPLIER:
+        raise ValueError(
+            f"{name}={value!r} is outside [{MIN_NOISE_MULTIPLIER:g}, "
+            f"{MAX_NOISE_MULTIPLIER:g}], where ε can be computed (below it ε "
+            "is above 1e12: pass 0 for no noise)."
         )
     return value
 
@@ -48,6 +70,26 @@ def check_positive(value, name):
     value = check_finite_real(value, name)
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
+    return value
+
+
+def check_sample_size(value, pool, name="batch_size", sampling="poisson"):
+    """Checks an expected sample per step in (0, pool], whole when "fixed".
+
+    >>> check_sample_size(256, 60_000)
+    256.0
+    """
+    value = check_positive(value, name)
+    if value > pool:
+        raise ValueError(
+            f"{name}={value:g} is more than the {pool} units it is drawn from; "
+            f"use at most {pool} per step."
+        )
+    if isinstance(sampling, str) and sampling == "fixed" and value != int(value):
+        raise ValueError(
+            f"{name} must be a whole number with sampling='fixed' (a fixed-size "
+            f"batch), got {value:g}."
+        )
     return value
 
 

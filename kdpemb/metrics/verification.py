@@ -42,13 +42,25 @@ PAIRS = ("all", "in_batch")
 
 
 def _check_embeddings(embeddings, labels):
-    embeddings = np.asarray(embeddings)
+    try:
+        embeddings = np.asarray(embeddings)
+    except ValueError as error:  # A ragged list.
+        raise ValueError(
+            f"embeddings must be a (num_examples, dim) array ({error})."
+        ) from error
     if embeddings.ndim != 2:
         raise ValueError(
             f"embeddings must have shape (num_examples, dim), got {embeddings.shape}."
         )
     if embeddings.dtype.kind not in "fiu":
         raise ValueError(f"embeddings must be numbers, got dtype {embeddings.dtype}.")
+    if embeddings.shape[0] == 0:
+        raise ValueError("embeddings and labels are empty: nothing to verify.")
+    if embeddings.shape[1] == 0:
+        raise ValueError(
+            f"embeddings have no dimensions (shape {embeddings.shape}); pass "
+            "(num_examples, dim) embeddings with dim >= 1."
+        )
     embeddings = embeddings.astype(np.float64)
     finite = np.isfinite(embeddings).all(axis=1)
     if not finite.all():
@@ -59,6 +71,9 @@ def _check_embeddings(embeddings, labels):
             "of non-finite embeddings is undefined."
         )
     labels = _identities(labels, len(embeddings))
+    # Scaled by the largest entry first, so that huge values do not overflow.
+    peak = np.abs(embeddings).max(axis=1, keepdims=True)
+    embeddings = embeddings / np.where(peak > 0, peak, 1.0)
     norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
     # A zero embedding has similarity 0 with everything.
     return embeddings / np.maximum(norms, 1e-12), labels
@@ -184,7 +199,12 @@ def check_labels(labels, far=1e-3, pairs="all", batch_size=256):
 
 
 def _check_far(far):
-    values = np.atleast_1d(np.asarray(far, dtype=float))
+    try:
+        values = np.atleast_1d(np.asarray(far, dtype=float))
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"far must be a float or a list of floats, got {far!r}."
+        ) from error
     if values.ndim != 1 or values.size == 0:
         raise ValueError(f"far must be a float or a list of floats, got {far!r}.")
     for value in values:
@@ -298,7 +318,7 @@ def _in_batch_scores(unit, labels, batch_size):
 
 
 def _scores(embeddings, labels, pairs, batch_size, keep_far):
-    if pairs not in PAIRS:
+    if not isinstance(pairs, str) or pairs not in PAIRS:
         raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
     if pairs == "in_batch":
         batch_size = _check_in_batch_size(batch_size)

@@ -21,6 +21,7 @@ is what keeps a per-epoch ε cheap in `kdpemb.callbacks.PrivacyBudget`.
 """
 
 import collections
+import contextlib
 import math
 
 import dp_accounting as dpa
@@ -103,9 +104,7 @@ def _unsupported_message(mechanism, method, detail):
 
 
 def _check_accountant(name):
-    if name not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}.")
-    return name
+    return validation.check_choice(name, ACCOUNTANTS, "accountant")
 
 
 def default_accountant(mechanism):
@@ -226,13 +225,29 @@ class Accountant:
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
         steps = validation.check_steps(steps, minimum=0)
-        return min(1.0, self._impl.delta(epsilon, steps))
+        with self._too_large(steps):
+            return min(1.0, self._impl.delta(epsilon, steps))
 
     def _epsilon(self, delta, steps):
         key = (delta, steps)
         if key not in self._epsilons:
-            self._epsilons[key] = self._impl.epsilon(delta, steps)
+            with self._too_large(steps):
+                self._epsilons[key] = self._impl.epsilon(delta, steps)
         return self._epsilons[key]
+
+    @contextlib.contextmanager
+    def _too_large(self, steps):
+        """A privacy loss distribution too large to build: a ValueError."""
+        try:
+            yield
+        except MemoryError as error:
+            raise ValueError(
+                f"The {self.name.upper()} accountant cannot hold the privacy "
+                f"loss distribution of {steps} steps at noise_multiplier="
+                f"{getattr(self.mechanism, 'noise_multiplier', None)!r} ({error}). "
+                "Use fewer steps, a larger noise multiplier, or "
+                "accountant='rdp'."
+            ) from error
 
     def max_steps(self, delta, *, target_epsilon, limit=None):
         """The largest step count whose ε is at most `target_epsilon`.

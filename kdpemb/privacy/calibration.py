@@ -40,7 +40,7 @@ from kdpemb import _validation as validation
 from kdpemb.errors import CalibrationError
 from kdpemb.privacy import analytic_gaussian
 from kdpemb.privacy.accountant import Accountant, resolve_accountant
-from kdpemb.privacy.mechanisms import Relation
+from kdpemb.privacy.mechanisms import Mechanism, Relation
 
 DEFAULT_INTERVAL = 1e-4  # The PLD accountant's default grid.
 # Coarse grids meet the target at δ - max(1e-3 δ, 1e-13): room for the
@@ -139,16 +139,27 @@ def calibrate_noise_multiplier(
     >>> round(z, 2)
     0.97
     """
+    if not isinstance(mechanism, Mechanism):
+        raise TypeError(
+            "mechanism must be a kdpemb.privacy.Mechanism (see "
+            f"kdpemb.privacy.dp_sgd and friends), got {type(mechanism).__name__}."
+        )
     target = validation.check_target_epsilon(target_epsilon)
     delta = validation.check_delta(delta, mechanism.population, mechanism.unit)
     steps = validation.check_steps(steps)
     z_min = validation.check_positive(min_noise_multiplier, "min_noise_multiplier")
     z_max = validation.check_positive(max_noise_multiplier, "max_noise_multiplier")
+    for value, name in (
+        (z_min, "min_noise_multiplier"),
+        (z_max, "max_noise_multiplier"),
+    ):
+        validation.check_noise_multiplier(value, name)
     if z_min >= z_max:
         raise ValueError(
             f"min_noise_multiplier ({z_min}) must be below max_noise_multiplier "
             f"({z_max})."
         )
+    rtol = validation.check_finite_real(rtol, "rtol")
     if not 0 < rtol < 0.5:
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
     accountant = resolve_accountant(mechanism, accountant)

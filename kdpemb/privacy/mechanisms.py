@@ -69,9 +69,7 @@ def num_virtual_clients(num_users, users_per_client):
 
 
 def _check_unit(unit):
-    if unit not in UNITS:
-        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
-    return unit
+    return validation.check_choice(unit, UNITS, "unit")
 
 
 # The smallest population whose guarantee is about individuals: with one
@@ -330,10 +328,7 @@ class SampledGaussian(Mechanism):
 
     def __post_init__(self):
         validation.check_noise_multiplier(self.noise_multiplier)
-        if self.sampling not in SAMPLINGS:
-            raise ValueError(
-                f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}."
-            )
+        validation.check_choice(self.sampling, SAMPLINGS, "sampling")
         _check_unit(self.unit)
         validation.check_positive_int(self.pool_size, "pool_size")
         _check_population(self.population, self.unit)
@@ -373,7 +368,7 @@ class SampledGaussian(Mechanism):
                 f"users_per_client={self.users_per_client} make {min_pool} to "
                 f"{self.population} virtual clients; got pool_size={self.pool_size}."
             )
-        object.__setattr__(self, "setup", tuple(self.setup))
+        object.__setattr__(self, "setup", _check_releases(self.setup, "setup"))
 
     @property
     def sampling_probability(self):
@@ -784,6 +779,7 @@ def dp_sgd(
     if sampling == "full_batch":
         raise ValueError("Use kdpemb.privacy.full_batch(...) for full-batch steps.")
     num_examples = validation.check_positive_int(num_examples, "num_examples")
+    validation.check_sample_size(batch_size, num_examples, "batch_size", sampling)
     return SampledGaussian(
         noise_multiplier=noise_multiplier,
         sampling=sampling,
@@ -893,6 +889,23 @@ def gaussian_releases(
         clip_norm=clip_norm,
         setup=_as_releases(setup),
     )
+
+
+def _check_releases(items, name):
+    """`items` as a tuple of `GaussianRelease`, or a TypeError naming `name`."""
+    try:
+        releases = tuple(items)
+    except TypeError as error:
+        raise TypeError(
+            f"{name} must be a sequence of GaussianRelease, got {items!r}."
+        ) from error
+    for release in releases:
+        if not isinstance(release, GaussianRelease):
+            raise TypeError(
+                f"{name} must hold GaussianRelease objects (see "
+                f"kdpemb.privacy.GaussianRelease), got {release!r}."
+            )
+    return releases
 
 
 def _as_releases(items):

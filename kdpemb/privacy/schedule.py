@@ -115,6 +115,16 @@ class Schedule:
                     "clients: it needs users_per_client > 1 (with one unit per "
                     f"client the pool is the population, {self.population})."
                 )
+            fewest = mechanisms.num_virtual_clients(
+                self.population, self.users_per_client
+            )
+            if not fewest <= self.num_clients <= self.population:
+                raise ValueError(
+                    f"num_clients={self.num_clients} is outside [{fewest}, "
+                    f"{self.population}]: {self.population} users in virtual "
+                    f"clients of users_per_client={self.users_per_client} make "
+                    f"{fewest} to {self.population} clients."
+                )
         self.privacy_mechanism(0.0)  # Validates the rest, once, in one place.
 
     # Builders ---------------------------------------------------------
@@ -139,6 +149,7 @@ class Schedule:
         num_examples = validation.check_positive_int(num_examples, "num_examples")
         if batch_size is None or sampling == "full_batch":
             return cls(num_examples, num_examples, "full_batch")
+        validation.check_sample_size(batch_size, num_examples, "batch_size", sampling)
         return cls(num_examples, batch_size, sampling)
 
     @classmethod

@@ -88,8 +88,11 @@ def test_mechanisms_are_frozen_and_serialisable():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: privacy.dp_sgd(1.0, 0, 100), "sample_size must be > 0"),
-        (lambda: privacy.dp_sgd(1.0, 200, 100), "larger than the number of units"),
+        (lambda: privacy.dp_sgd(1.0, 0, 100), "batch_size must be > 0"),
+        (
+            lambda: privacy.dp_sgd(1.0, 200, 100),
+            "batch_size=200 is more than the 100 units",
+        ),
         (lambda: privacy.dp_sgd(-0.5, 10, 100), "noise_multiplier must be >= 0"),
         (lambda: privacy.dp_sgd(float("inf"), 10, 100), "finite"),
         (lambda: privacy.dp_sgd(1.0, 10, 0), "num_examples must be a positive integer"),
@@ -97,7 +100,10 @@ def test_mechanisms_are_frozen_and_serialisable():
             lambda: privacy.dp_sgd(1.0, 10, 100, sampling="shuffle"),
             "sampling must be one of",
         ),
-        (lambda: privacy.dp_sgd(1.0, 10.5, 100, sampling="fixed"), "integer size"),
+        (
+            lambda: privacy.dp_sgd(1.0, 10.5, 100, sampling="fixed"),
+            "batch_size must be a whole number",
+        ),
         (lambda: privacy.dp_sgd(1.0, 10, 100, clip_norm=0.0), "clip_norm must be > 0"),
         (
             lambda: privacy.virtual_clients(1.0, 300, 1_000, users_per_client=4),
