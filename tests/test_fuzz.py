@@ -17,7 +17,6 @@ import math
 import signal
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -579,10 +578,6 @@ def cli_is_valid(flag, value):
     return number > 0 if minimum else number >= 0
 
 
-@pytest.mark.xfail(
-    reason="CLI flag names are fixed on branch badinput (see the fuzz report)",
-    strict=False,
-)
 @fuzz(30)
 @given(st.sampled_from(sorted(CLI_FLAGS)), CLI_BAD)
 def test_cli_bad_flag_values(flag, value):
