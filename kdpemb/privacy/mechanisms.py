@@ -151,8 +151,14 @@ class GaussianRelease:
     name: str = ""
 
     def __post_init__(self):
-        validation.check_noise_multiplier(self.noise_std, "noise_std")
+        if validation.check_finite_real(self.noise_std, "noise_std") < 0:
+            raise ValueError(f"noise_std must be >= 0, got {self.noise_std!r}.")
         validation.check_positive(self.sensitivity, "sensitivity")
+        # The accountants' range applies to the multiplier, not to the std
+        # (which scales with the sensitivity).
+        validation.check_noise_multiplier(
+            self.noise_std / self.sensitivity, "noise_std / sensitivity"
+        )
 
     @classmethod
     def from_noise_multiplier(cls, noise_multiplier, sensitivity, name=""):
