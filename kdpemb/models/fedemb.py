@@ -463,12 +463,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         names = ("noise_seed", "head_seed")
         if self.adaptive_clipping is not None:
             # C is model state: saved, restored, and moved by every round.
-            self.current_clip_norm = self.add_weight(
-                shape=(),
-                initializer=keras.initializers.Constant(self.clip_norm),
-                trainable=False,
-                aggregation="only_first_replica",
-                name="current_clip_norm",
+            self.current_clip_norm = private_state.add_state(
+                self, "current_clip_norm", initializer=self.clip_norm
             )
             names += ("count_seed",)  # The count's noise: its own stream.
         generators = private_state.noise_seed_generators(seed, names, "FedEmbModel")
@@ -564,29 +560,17 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         `_epoch_aligned`)."""
         if self._schedule.sampling != "epochs" or hasattr(self, "data_epoch"):
             return
-        self.data_epoch = self.add_weight(
-            shape=(),
-            dtype="int32",
-            initializer=keras.initializers.Constant(-1),
-            trainable=False,
-            aggregation="only_first_replica",
-            name="data_epoch",
+        self.data_epoch = private_state.add_state(
+            self, "data_epoch", dtype="int32", initializer=-1
         )
-        self.epoch_rounds_taken = self.add_weight(
+        self.epoch_rounds_taken = private_state.add_state(
+            self,
+            "epoch_rounds_taken",
             shape=(self._schedule.steps_per_epoch,),
             dtype="int32",
-            initializer="zeros",
-            trainable=False,
-            aggregation="only_first_replica",
-            name="epoch_rounds_taken",
         )
-        self.misaligned_rounds = self.add_weight(
-            shape=(),
-            dtype="int32",
-            initializer="zeros",
-            trainable=False,
-            aggregation="only_first_replica",
-            name="misaligned_rounds",
+        self.misaligned_rounds = private_state.add_state(
+            self, "misaligned_rounds", dtype="int32"
         )
 
     def _build_tree_state(self):
@@ -596,12 +580,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             return
         levels = tree_noise.tree_levels(self._schedule.steps_per_epoch)
         self.tree_open_noise = [
-            self.add_weight(
-                shape=(levels, *variable.shape),
-                initializer="zeros",
-                trainable=False,
-                aggregation="only_first_replica",
-                name=f"tree_open_noise_{index}",
+            private_state.add_state(
+                self, f"tree_open_noise_{index}", shape=(levels, *variable.shape)
             )
             for index, variable in enumerate(self._noised_variables())
         ]
@@ -774,8 +754,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             callbacks = privacy_plan.with_guard(
                 arguments.get("callbacks"), _EpochGuard(), self
             )
-            args, kwargs = (), {**arguments, "callbacks": callbacks}
-            arguments = privacy_plan.fit_arguments(args, kwargs)
+            arguments = {**arguments, "callbacks": callbacks}
+            args, kwargs = (), arguments
         if self.target_epsilon is not None:
 
             def steps_of(initial_epoch):

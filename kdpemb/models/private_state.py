@@ -39,16 +39,26 @@ from kdpemb.errors import ReproducibleNoiseWarning
 from kdpemb.privacy import gaussian_sum
 
 
-def add_private_steps(model):
-    """Adds the `private_steps` counter to `model` and returns it."""
+def add_state(model, name, shape=(), dtype="float32", initializer=0):
+    """Adds a non-trainable variable of the privacy machinery to `model`.
+
+    Saved and restored with the model; under a strategy every replica
+    computes the same value and the first replica's is kept. `initializer`
+    is a constant.
+    """
     return model.add_weight(
-        shape=(),
-        dtype="int32",
-        initializer="zeros",
+        shape=shape,
+        dtype=dtype,
+        initializer=keras.initializers.Constant(initializer),
         trainable=False,
         aggregation="only_first_replica",
-        name="private_steps",
+        name=name,
     )
+
+
+def add_private_steps(model):
+    """Adds the `private_steps` counter to `model` and returns it."""
+    return add_state(model, "private_steps", dtype="int32")
 
 
 def noise_seed_generators(seed, names, owner):
