@@ -14,28 +14,11 @@ from kdpemb.data.round_size import max_clients_per_round, overflow_probability
 from kdpemb.datasets import UserImages
 from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
 from kdpemb.testing import RoundConsumer
+from tests.data.elements import population, without_user
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::kdpemb.errors.ReproducibleSamplingWarning"
 )
-
-
-def population(num_users, seed, *, max_examples=6, num_classes=7):
-    """Users with 1..max_examples examples; each image holds its example id."""
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(1, max_examples + 1, size=num_users)
-    names = rng.choice(10 * num_users, size=num_users, replace=False) + 1000
-    user_ids = np.repeat(names, counts)
-    n = user_ids.size
-    images = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1)
-    labels = rng.integers(0, num_classes, size=n)
-    return images, labels, user_ids
-
-
-def without_user(images, labels, user_ids, user):
-    keep = user_ids != user
-    # Re-number the example ids so that nothing but the removed user changes.
-    return images[keep], labels[keep], user_ids[keep]
 
 
 def client_contents(clients, round_index, example_ids):

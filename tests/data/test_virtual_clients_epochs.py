@@ -19,6 +19,8 @@ from kdpemb.data.assignment import user_keys
 from kdpemb.data.virtual_clients import participation_counts
 from kdpemb.errors import RoundTruncationError
 from kdpemb.testing import RoundConsumer
+from tests.data import elements
+from tests.data.elements import without_user
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::kdpemb.errors.ReproducibleSamplingWarning"
@@ -26,20 +28,10 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 def population(num_users, seed, *, max_examples=4, num_classes=5):
-    """Users with 1..max_examples examples; each image holds its example id."""
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(1, max_examples + 1, size=num_users)
-    names = rng.choice(10 * num_users, size=num_users, replace=False) + 1000
-    user_ids = np.repeat(names, counts)
-    n = user_ids.size
-    images = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1)
-    labels = rng.integers(0, num_classes, size=n)
-    return images, labels, user_ids
-
-
-def without_user(images, labels, user_ids, user):
-    keep = user_ids != user
-    return images[keep], labels[keep], user_ids[keep]
+    """`elements.population` with this file's smaller users."""
+    return elements.population(
+        num_users, seed, max_examples=max_examples, num_classes=num_classes
+    )
 
 
 def epochs_clients(data, **kwargs):
