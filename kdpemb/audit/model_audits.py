@@ -102,7 +102,7 @@ def _seeded_models(seed):
         yield
 
 
-def canary_rows(trials, seed=None):
+def _canary_rows(trials, seed=None):
     """`(with_canary, without_canary)`: a random half of `range(trials)`
     and the rest, as int arrays in random order."""
     order = np.random.default_rng(seed).permutation(trials)
@@ -125,7 +125,7 @@ def _dense_canary_data(trials, num_others, num_classes, canary_input_norm, seed)
     row t is `canary_input_norm · e_t` with label 0.
     """
     rng = np.random.default_rng(seed)
-    with_canary, without_canary = canary_rows(trials, rng.integers(2**31))
+    with_canary, without_canary = _canary_rows(trials, rng.integers(2**31))
     others = np.zeros((num_others, trials + _OTHER_COORDINATES))
     others[:, trials:] = rng.normal(size=(num_others, _OTHER_COORDINATES))
     canaries = np.zeros((len(with_canary), trials + _OTHER_COORDINATES))
@@ -311,7 +311,7 @@ def _fedemb_round(trials, num_others, pixel_value, local_steps, seed):
     (identity 1).
     """
     rng = np.random.default_rng(seed)
-    with_canary, without_canary = canary_rows(trials, rng.integers(2**31))
+    with_canary, without_canary = _canary_rows(trials, rng.integers(2**31))
     pixels = trials + _OTHER_COORDINATES
     clients = num_others + len(with_canary)
     images = np.zeros((clients, local_steps, 2, pixels), "float32")
