@@ -1,21 +1,24 @@
-"""Audits the noisy clipped sum that every DP-SGD step releases, and DP-LS.
+"""Audits each kdpemb mechanism, and broken copies of it, against its claim.
 
-A white-box audit: the noisy sum of one DP-SGD step (kdpemb's
-`clip_and_sum` + `add_gaussian_noise`) is released many times with and
-without a canary gradient, each release is scored by its projection on the
-canary's direction, and the counts give an ε lower bound at 95%
-confidence. The same is done for one DP-LS step of `LastLayerDPClassifier`.
-Each audit runs twice: on the real mechanism (its bound must stay below
-the claimed ε) and on a broken copy whose noise is divided by 10 (its
-bound must exceed it: the audit catches the bug).
+Runs every audit of `kdpemb.audit` on the real mechanism (its lower bound
+must stay below the claimed ε) and on broken copies (noise divided by 10;
+clipping removed, where the mechanism clips a gradient or an update),
+whose bound must exceed it: the audit catches the bug. The mechanisms are
+the Gaussian sum query, one DP-SGD step of `DPModel` (white-box) and its
+final model after 4 steps (black-box), one `LastLayerDPClassifier` DP-SGD
+step and DP-LS step, and one `FedEmbModel` round. Each audit is repeated
+over `--seeds` seeds; the table shows the smallest real-to-claim margin
+(largest real bound, smallest broken bound).
 
-Run: python examples/audit_dp_sgd.py [--quick] [--json]
+Run: python examples/audit_dp_sgd.py [--quick] [--seeds N] [--json]
 """
 
 import argparse
 import contextlib
 import json
 import time
+
+import keras
 
 from kdpemb import audit
 from kdpemb.privacy import gaussian_sum, host_noise
@@ -24,24 +27,11 @@ DELTA = 1e-5
 
 
 @contextlib.contextmanager
-def noise_divided_by_10():
-    """Patches kdpemb's noise functions to draw a tenth of the noise."""
-    saved = [
-        (module, name, getattr(module, name))
-        for module, name in (
-            (gaussian_sum, "gaussian_noise"),
-            (host_noise, "gaussian_noise"),
-            (host_noise, "symmetric_noise"),
-        )
-    ]
-    weak = {
-        (gaussian_sum, "gaussian_noise"): lambda real: (
-            lambda *a: [n / 10 for n in real(*a)]
-        ),
-    }
-    for module, name, real in saved:
-        patch = weak.get((module, name), lambda real: lambda *a: real(*a) / 10)
-        setattr(module, name, patch(real))
+def patched(patches):
+    """Sets `(module, name, make)` attributes to `make(real)`, then restores."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for (module, name, make), (_, _, real) in zip(patches, saved, strict=True):
+        setattr(module, name, make(real))
     try:
         yield
     finally:
@@ -49,42 +39,99 @@ def noise_divided_by_10():
             setattr(module, name, real)
 
 
+def _tenth(real):
+    return lambda *a, **k: real(*a, **k) / 10
+
+
+def _unclipped(real):
+    def factors(norms, clip_norm, mask=None):
+        factor, finite = real(norms, clip_norm, mask)
+        return keras.ops.cast(keras.ops.where(factor > 0, 1.0, 0.0), "float32"), finite
+
+    return factors
+
+
+BROKEN = {
+    "noise / 10": [
+        (gaussian_sum, "gaussian_noise", lambda real: lambda *a: [
+            n / 10 for n in real(*a)]),
+        (host_noise, "gaussian_noise", _tenth),
+        (host_noise, "symmetric_noise", _tenth),
+    ],
+    "clipping removed": [(gaussian_sum, "clip_factors", _unclipped)],
+}  # fmt: skip
+
+
+def audits(quick):
+    """name -> (run(seed), the broken variants that apply)."""
+    n = 1 if quick else 2
+    both = tuple(BROKEN)
+    return {
+        "Gaussian sum (DP-SGD step), z = 2": (
+            lambda s: audit.audit_gaussian_sum(2.0, DELTA, trials=2000 * n, seed=s),
+            both,
+        ),
+        "DPModel DP-SGD step, white-box, z = 2": (
+            lambda s: audit.audit_dp_model(2.0, DELTA, trials=2000 * n, seed=s),
+            both,
+        ),
+        "DPModel 4 DP-SGD steps, black-box, z = 4": (
+            lambda s: audit.audit_dp_model(
+                4.0, DELTA, mode="black-box", steps=4, trials=2000 * n, seed=s
+            ),
+            both,
+        ),
+        "LastLayerDPClassifier dp-sgd step, z = 2": (
+            lambda s: audit.audit_last_layer_dp_sgd(
+                2.0, DELTA, trials=2000 * n, seed=s
+            ),
+            both,
+        ),
+        "LastLayerDPClassifier dp-ls step, z = 2": (
+            lambda s: audit.audit_last_layer_dp_ls(2.0, DELTA, trials=1200 * n, seed=s),
+            ("noise / 10",),
+        ),
+        "FedEmbModel round, z = 2": (
+            lambda s: audit.audit_fedemb_round(2.0, DELTA, trials=1000 * n, seed=s),
+            both,
+        ),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials")
+    parser.add_argument("--seeds", type=int, default=None, help="default 1 / 3")
     parser.add_argument("--json", action="store_true", help="one JSON line per audit")
     args = parser.parse_args()
-    scale = 1 if args.quick else 5
-    audits = {
-        "Gaussian sum (DP-SGD step), z = 2": lambda: audit.audit_gaussian_sum(
-            2.0, DELTA, trials=2000 * scale
-        ),
-        "LastLayerDPClassifier dp-ls, z = 2": lambda: audit.audit_last_layer_dp_ls(
-            2.0, DELTA, trials=1200 * scale
-        ),
-    }
-    for name, run in audits.items():
+    seeds = range(args.seeds or (1 if args.quick else 3))
+    for name, (run, broken) in audits(args.quick).items():
         start = time.perf_counter()
-        real = run()
-        with noise_divided_by_10():
-            broken = run()
+        real = [run(seed) for seed in seeds]
         row = {
             "mechanism": name,
-            "claimed_epsilon": round(real.claimed_epsilon, 3),
-            "lower_bound": round(real.epsilon_lower_bound, 3),
-            "broken_lower_bound": round(broken.epsilon_lower_bound, 3),
-            "trials": real.trials,
-            "confidence": real.confidence,
-            "seconds": round(time.perf_counter() - start, 1),
+            "backend": keras.backend.backend(),
+            "claimed_epsilon": round(real[0].claimed_epsilon, 3),
+            "lower_bound": round(max(r.epsilon_lower_bound for r in real), 3),
+            "trials": real[0].trials,
+            "confidence": real[0].confidence,
+            "seeds": len(seeds),
         }
+        for variant in broken:
+            with patched(BROKEN[variant]):
+                bounds = [run(seed).epsilon_lower_bound for seed in seeds]
+            row[f"{variant} lower_bound"] = round(min(bounds), 3)
+        row["seconds"] = round(time.perf_counter() - start, 1)
         if args.json:
-            print(json.dumps(row))
+            print(json.dumps(row), flush=True)
         else:
+            broken_text = ", ".join(f"{v}: {row[f'{v} lower_bound']}" for v in broken)
             print(
                 f"{name}: claimed ε = {row['claimed_epsilon']}, audited lower "
-                f"bound {row['lower_bound']} (noise / 10: "
-                f"{row['broken_lower_bound']}), {real.trials} trials, "
-                f"{real.confidence:.0%} confidence"
+                f"bound {row['lower_bound']} ({broken_text}), {row['trials']} "
+                f"trials, {row['confidence']:.0%} confidence, {len(seeds)} "
+                f"seed(s), {row['seconds']} s",
+                flush=True,
             )
 
 

@@ -28,7 +28,7 @@ from kdpemb.privacy import gaussian_sum
 __all__ = [
     "AuditResult",
     "audit_gaussian_sum",
-    "audit_last_layer_dp_ls",
+    "audit_releases",
     "audit_scores",
 ]
 
@@ -152,6 +152,55 @@ def audit_scores(
     )
 
 
+def audit_releases(
+    with_canary, without_canary, claimed_epsilon, delta, confidence=0.95
+):
+    """An `AuditResult` from released vectors (`[trials, dim]` each).
+
+    The test direction is learned on the first half of each set: the
+    difference of their means, normalised. Every release is scored by its
+    projection on it, and `audit_scores` then chooses the threshold on the
+    same first halves and counts the second halves, which took no part in
+    either choice.
+
+    Example:
+
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> shift = np.array([3.0, -3.0])
+    >>> result = audit_releases(rng.normal(size=(800, 2)) + shift,
+    ...                         rng.normal(size=(800, 2)), 1.0, 1e-5)
+    >>> result.violated
+    True
+    """
+    with_canary = np.asarray(with_canary, np.float64)
+    without_canary = np.asarray(without_canary, np.float64)
+    if with_canary.ndim != 2 or without_canary.shape[1:] != with_canary.shape[1:]:
+        raise ValueError(
+            "with_canary and without_canary must be [trials, dim] arrays of one "
+            f"dim, got shapes {with_canary.shape} and {without_canary.shape}."
+        )
+    if len(with_canary) < 2 or len(without_canary) < 2:
+        raise ValueError(
+            "An audit needs at least 2 releases with and without the canary, got "
+            f"{len(with_canary)} and {len(without_canary)}."
+        )
+    half_in, half_out = len(with_canary) // 2, len(without_canary) // 2
+    direction = with_canary[:half_in].mean(0) - without_canary[:half_out].mean(0)
+    norm = np.linalg.norm(direction)
+    if not np.isfinite(norm):
+        raise ValueError("Every release must be finite: a release was NaN or inf.")
+    if norm > 0:
+        direction = direction / norm
+    return audit_scores(
+        with_canary @ direction,
+        without_canary @ direction,
+        claimed_epsilon,
+        delta,
+        confidence,
+    )
+
+
 def _releases(clipped, noise_multiplier, trials, seed_generator):
     """`trials` independent noisy releases `[trials, dim]` of one clipped sum."""
     total = keras.ops.convert_to_tensor(clipped.total[0])
@@ -236,75 +285,4 @@ def audit_gaussian_sum(
         steps=1,
         delta=delta,
     )
-    return audit_scores(scores[0], scores[1], claimed, delta, confidence)
-
-
-def audit_last_layer_dp_ls(
-    noise_multiplier,
-    delta,
-    *,
-    feature_clip_norm=1.0,
-    trials=1000,
-    confidence=0.95,
-    dim=4,
-    num_others=40,
-    num_classes=2,
-    seed=None,
-):
-    """White-box audit of one `LastLayerDPClassifier` DP-LS step.
-
-    The other examples' features are zero on the first coordinate; the
-    canary example is `feature_clip_norm` along it, with label 0. The model
-    is fitted once (which plans its one step), then its own step is rerun
-    `trials / 2` times on the data with the canary and as often without,
-    with fresh noise each time; each released head is scored by its
-    weight from the canary's coordinate to the canary's class. The
-    claimed ε is the model's `privacy_mechanism()` for one step at
-    `delta`.
-
-    Args:
-        noise_multiplier: float > 0. z of the step.
-        delta: float in (0, 1).
-        feature_clip_norm: float > 0. C_x.
-        trials: int >= 4. Steps in all.
-        confidence: float in (0, 1).
-        dim, num_others, num_classes: the size of the data.
-        seed: int or None. Seeds the data only; the noise always comes from
-            OS entropy (the model's seed=None).
-
-    Returns:
-        `AuditResult`.
-    """
-    from kdpemb.models import LastLayerDPClassifier
-
-    trials = validation.check_positive_int(trials, "trials")
-    delta = validation.check_delta(delta)
-    rng = np.random.default_rng(seed)
-    others = rng.normal(size=(num_others, dim))
-    others[:, 0] = 0.0
-    others *= feature_clip_norm / np.linalg.norm(others, axis=1, keepdims=True)
-    labels = rng.integers(0, num_classes, num_others)
-    canary = np.zeros((1, dim))
-    canary[0, 0] = feature_clip_norm
-    with_canary = (
-        np.vstack([others, canary]).astype("float32"),
-        np.append(labels, 0),
-    )
-    without_canary = (others.astype("float32"), labels)
-    model = LastLayerDPClassifier(
-        num_classes,
-        "dp-ls",
-        feature_clip_norm=feature_clip_norm,
-        noise_multiplier=noise_multiplier,
-        delta=delta,
-    )
-    model.fit(*with_canary, verbose=0)
-    scores = []
-    for features, targets in (with_canary, without_canary):
-        released = []
-        for _ in range(trials // 2):
-            model._closed_form_step(features, targets)
-            released.append(float(keras.ops.convert_to_numpy(model.head.kernel)[0, 0]))
-        scores.append(np.array(released))
-    claimed = privacy.epsilon(model.privacy_mechanism(), steps=1, delta=delta)
     return audit_scores(scores[0], scores[1], claimed, delta, confidence)

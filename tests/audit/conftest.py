@@ -1,0 +1,45 @@
+"""Broken variants of kdpemb's mechanisms, for audits that must catch them.
+
+Each fixture patches the library function that every model's traced step
+calls, so build the model (or run the audit) after requesting it.
+"""
+
+import keras
+import pytest
+
+from kdpemb.privacy import gaussian_sum, host_noise
+
+
+@pytest.fixture
+def noise_divided_by_10(monkeypatch):
+    """Every in-graph Gaussian noise draw (DP-SGD, FedEmb) is a tenth."""
+    real = gaussian_sum.gaussian_noise
+
+    def weak(clipped_sum, noise_multiplier, seed_generator):
+        return [n / 10 for n in real(clipped_sum, noise_multiplier, seed_generator)]
+
+    monkeypatch.setattr(gaussian_sum, "gaussian_noise", weak)
+
+
+@pytest.fixture
+def clipping_removed(monkeypatch):
+    """Every clip factor is 1 (0 stays 0): `clip_factors` is where all of
+    kdpemb's clipping (clip_and_sum, ghost clipping, the DP-SGD head, FedEmb
+    rounds) turns norms into factors."""
+    real = gaussian_sum.clip_factors
+
+    def unclipped(norms, clip_norm, mask=None):
+        factors, finite = real(norms, clip_norm, mask)
+        return keras.ops.cast(keras.ops.where(factors > 0, 1.0, 0.0), "float32"), finite
+
+    monkeypatch.setattr(gaussian_sum, "clip_factors", unclipped)
+
+
+@pytest.fixture
+def host_noise_divided_by_10(monkeypatch):
+    """The host-side noise of the closed-form last-layer methods is a tenth."""
+    for name in ("gaussian_noise", "symmetric_noise"):
+        real = getattr(host_noise, name)
+        monkeypatch.setattr(
+            host_noise, name, lambda *a, real=real, **k: real(*a, **k) / 10
+        )
