@@ -18,6 +18,7 @@ LONG_RUNNING = (
     "tests/test_crash_safety.py",
     "tests/models/test_fedemb_after_pretraining.py",
     "tests/models/test_fedemb_distributed.py",
+    "tests/audit/test_model_audits.py",
     "tests/audit/test_audit.py",
 )
 
