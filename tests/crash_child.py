@@ -1,13 +1,19 @@
 """The process tests/test_crash_safety.py kills: a DP fit, or a model save.
 
-Usage: python crash_child.py fit DIR PAUSE_AT PHASE
+Usage: python crash_child.py fit DIR PAUSE_AT PHASE MODEL
        python crash_child.py save DIR
 
-`fit` trains a ToyDPRegressor with AtomicBackupAndRestore, PrivacyLedger and
-PrivacyBudget, pausing (for the kill) once the ledger has counted PAUSE_AT
-steps: at the batch's begin (the step has begun, not run) or its end. A
-run that is not killed writes DIR/result.json. `save` writes complete
-files (atomically, and with Keras), then pauses while writing each again.
+`fit` trains MODEL ("dp": a `DPModel`, example-level DP-SGD; "fedemb": a
+`FedEmbModel` on `VirtualClients` rounds, user-level) with
+AtomicBackupAndRestore, PrivacyLedger and PrivacyBudget, pausing (for the
+kill) once the ledger has counted PAUSE_AT steps: at the batch's begin
+(the step has begun, not run) or its end. A run that is not killed
+writes DIR/result.json. `save` writes complete files (atomically, and
+with Keras), then pauses while writing each again.
+
+Both models are tiny (a linear network) so that the child's cost is
+mostly starting Python and Keras; the sampling and the noise are drawn
+from OS entropy (seed=None), as in a real run.
 """
 
 import json
@@ -21,11 +27,15 @@ import numpy as np
 
 from kdpemb import _atomic, callbacks, saving
 from kdpemb.privacy import ledger, protocol
-from kdpemb.testing import ToyDPRegressor, toy_regression_data
 
-N, D, NOISE, Q = 64, 3, 1.5, 0.1
-DELTA, TARGET = 1e-3, 1.0
+DELTA, TARGET, NOISE = 1e-3, 1.0, {"dp": 1.5, "fedemb": 2.5}
 STEPS_PER_EPOCH, EPOCHS, SAVE_FREQ = 10, 6, 4
+# DPModel: N examples, expected batch B: q = 0.1, N / B = 10 steps an epoch.
+N, D, B = 80, 3, 8
+# FedEmbModel: USERS users of 2 examples in P = USERS / K virtual clients
+# of K users, M of them expected per round (q = 0.1), 10 rounds an epoch.
+USERS, K, M, IMAGE = 40, 2, 2, (2, 2, 1)
+MODELS = ("dp", "fedemb")
 
 
 def paths(directory):
@@ -49,9 +59,13 @@ class Observer(keras.callbacks.Callback):
         super().__init__()
         self.where, self.pause_at, self.phase = where, pause_at, phase
         self.batches = 0
+        self.epochs = []
 
     def _ledger_steps(self):
         return ledger.read_ledger(self.where["ledger"])["steps"]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append(epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.phase == "begin" and self._ledger_steps() == self.pause_at:
@@ -68,46 +82,103 @@ class Observer(keras.callbacks.Callback):
 
 
 class Restored(keras.callbacks.Callback):
-    """The `private_steps` the backup restored (before the ledger raises it)."""
+    """What the backup restored (before the ledger raises `private_steps`)."""
 
-    steps = None
+    steps = epoch = None
 
     def on_train_begin(self, logs=None):
         self.steps = protocol.read_private_steps(self.model)
+        self.epoch = self.model._initial_epoch or 0
 
 
-def fit(directory, pause_at, phase):
+def dp_fit(fit_callbacks):
+    """A linear `DPModel` (DP-SGD, Poisson batches of B expected of N)."""
+    from kdpemb.models import DPModel
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, D)).astype("float32")
+    y = (x @ rng.normal(size=D) + 0.1 * rng.normal(size=N)).astype("float32")
+    network = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+    model = DPModel(network, clip_norm=1.0, noise_multiplier=NOISE["dp"])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=B, epochs=EPOCHS, verbose=0, callbacks=fit_callbacks)
+    return model, {}
+
+
+def fedemb_fit(fit_callbacks):
+    """A linear `FedEmbModel` (DP-FedEmb) on Poisson rounds of clients."""
+    from kdpemb.data import VirtualClients
+    from kdpemb.models import FedEmbModel
+
+    served = []
+
+    class Clients(VirtualClients):
+        """Records which round of which of its epochs Keras reads."""
+
+        def __getitem__(self, index):
+            served.append([self._epoch, index])
+            return super().__getitem__(index)
+
+    rng = np.random.default_rng(0)
+    user_ids = np.repeat(np.arange(USERS), 2)
+    images = rng.normal(size=(user_ids.size, *IMAGE)).astype("float32")
+    clients = Clients(
+        images,
+        rng.integers(0, 4, size=user_ids.size),
+        user_ids,
+        clients_per_round=M,
+        users_per_client=K,
+        num_clients=USERS // K,  # A public count.
+        rounds_per_epoch=STEPS_PER_EPOCH,
+        local_steps=1,
+        batch_size=2,
+        num_classes=4,
+    )
+    backbone = keras.Sequential(
+        [keras.Input(IMAGE), keras.layers.Flatten(), keras.layers.Dense(2)]
+    )
+    model = FedEmbModel(
+        backbone, clip_norm=1.0, noise_multiplier=NOISE["fedemb"], delta=DELTA
+    )
+    model.compile()
+    model.fit(clients, epochs=EPOCHS, verbose=0, callbacks=fit_callbacks)
+    return model, {"served": served}
+
+
+def fit(directory, pause_at, phase, kind):
     where = paths(directory)
-    model = ToyDPRegressor(N, D, NOISE, Q)
-    model.compile(optimizer="sgd")
     restored = Restored()
     privacy_ledger = callbacks.PrivacyLedger(where["ledger"])
     budget = callbacks.PrivacyBudget(DELTA, target_epsilon=TARGET, verbose=0)
     observer = Observer(where, pause_at, phase)
-    model.fit(
-        toy_regression_data(N, D, STEPS_PER_EPOCH),
-        epochs=EPOCHS,
-        verbose=0,
-        callbacks=[
-            callbacks.AtomicBackupAndRestore(
-                where["backup"], save_freq=SAVE_FREQ, delete_checkpoint=False
-            ),
-            restored,
-            privacy_ledger,
-            budget,
-            observer,
-        ],
-    )
+    fit_callbacks = [
+        callbacks.AtomicBackupAndRestore(
+            where["backup"], save_freq=SAVE_FREQ, delete_checkpoint=False
+        ),
+        restored,
+        privacy_ledger,
+        budget,
+        observer,
+    ]
+    model, extra = {"dp": dp_fit, "fedemb": fedemb_fit}[kind](fit_callbacks)
+    statement = model.privacy_statement(DELTA)
     result = {
+        "model": type(model).__name__,
+        "mechanism": model.privacy_mechanism().parameters(),
         "restored_steps": restored.steps,
+        "restored_epoch": restored.epoch,
         "ledger_raised_by": privacy_ledger.restored_steps,
         "batches_run": observer.batches,
+        "epochs_run": observer.epochs,
         "private_steps": protocol.read_private_steps(model),
         "statement_steps": budget.statement.steps,
         "statement_epsilon": budget.statement.epsilon,
+        "model_statement_steps": statement.steps,
+        "model_statement_epsilon": statement.epsilon,
         "step_budget": budget.step_budget,
+        **extra,
     }
-    _atomic.write_text(where["result"], json.dumps(result))
+    _atomic.write_text(where["result"], json.dumps(result, default=str))
     print("DONE", flush=True)
 
 
@@ -165,6 +236,6 @@ def save(directory):
 if __name__ == "__main__":
     mode, directory, *rest = sys.argv[1:]
     if mode == "fit":
-        fit(directory, int(rest[0]), rest[1])
+        fit(directory, int(rest[0]), rest[1], rest[2])
     else:
         save(directory)

@@ -21,21 +21,37 @@ CHILD = pathlib.Path(child.__file__)
 ROOT = CHILD.parents[1]
 
 
-def start(*args):
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """`start(*args)` runs crash_child.py with `args`, on this backend.
+
+    The children share a JAX compilation cache (unless one is configured),
+    so the resumed run reads the programs its killed run compiled."""
+    cache = {}
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        cache = {
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
     env = dict(
         os.environ,
         KERAS_BACKEND=keras.backend.backend(),
         CUDA_VISIBLE_DEVICES="-1",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         TF_CPP_MIN_LOG_LEVEL="3",
+        **cache,
     )
-    return subprocess.Popen(
-        [sys.executable, str(CHILD), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+
+    def start(*args):
+        return subprocess.Popen(
+            [sys.executable, str(CHILD), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    return start
 
 
 def kill_when(process, line):
@@ -57,12 +73,37 @@ def run_to_end(process):
     return stdout
 
 
-def dp_accounting_epsilon(steps):
-    """ε of `steps` Poisson-sampled Gaussian steps, from dp-accounting itself."""
-    event = dpa.SelfComposedDpEvent(
-        dpa.PoissonSampledDpEvent(child.Q, dpa.GaussianDpEvent(child.NOISE)), steps
+def mechanism_of(kind):
+    """The mechanism of one step of the child's `kind` of model, from the
+    model's settings (not from the model)."""
+    if kind == "dp":
+        return privacy.dp_sgd(
+            child.NOISE[kind], batch_size=child.B, num_examples=child.N, clip_norm=1.0
+        )
+    schedule = privacy.Schedule.virtual_clients(
+        child.USERS,
+        child.M,
+        users_per_client=child.K,
+        num_clients=child.USERS // child.K,
+        local_steps=1,
     )
-    accountant = dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+    return schedule.privacy_mechanism(child.NOISE[kind], clip_norm=1.0)
+
+
+def dp_accounting_epsilon(kind, steps):
+    """ε of `steps` Poisson-sampled Gaussian steps, from dp-accounting itself:
+    examples added or removed (DPModel, q = B / N); or a virtual client of
+    K > 1 users replaced (FedEmbModel, q = M / P), as the user-level
+    guarantee is accounted."""
+    if kind == "dp":
+        q, relation = child.B / child.N, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    else:
+        q = child.M / (child.USERS // child.K)
+        relation = dpa.NeighboringRelation.REPLACE_ONE
+    event = dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(child.NOISE[kind])), steps
+    )
+    accountant = dpa.pld.PLDAccountant(relation, value_discretization_interval=1e-4)
     return accountant.compose(event).get_epsilon(child.DELTA)
 
 
@@ -75,47 +116,67 @@ def no_partial_files(directory):
 
 
 # Kill points: after the ledger counts `s` steps, at the begin of step s
-# (begun, not run) or at its end (run); never on a backup (every 4 steps).
+# (begun, not run) of a DPModel fit, or at the end of step s (run) of a
+# FedEmbModel fit; never on a backup (every 4 steps), always before the
+# budget (19 and 23 steps).
 rng = np.random.default_rng(21)
 KILLS = [
-    (int(rng.choice([s for s in range(3, 18) if s % child.SAVE_FREQ])), phase)
-    for phase in ("begin", "end")
+    (int(rng.choice([s for s in range(3, 18) if s % child.SAVE_FREQ])), phase, kind)
+    for phase, kind in (("begin", "dp"), ("end", "fedemb"))
 ]
 
 
-@pytest.mark.parametrize(("pause_at", "phase"), KILLS)
+@pytest.mark.parametrize(("pause_at", "phase", "kind"), KILLS)
 def test_a_killed_fit_resumes_with_every_step_it_began_counted(
-    tmp_path, pause_at, phase
+    start, tmp_path, pause_at, phase, kind
 ):
-    kill_when(start("fit", tmp_path, pause_at, phase), "PAUSED")
+    kill_when(start("fit", tmp_path, pause_at, phase, kind), "PAUSED")
     where = child.paths(tmp_path)
     counted = ledger.read_ledger(where["ledger"])["steps"]
     ran = pause_at if phase == "end" else pause_at - 1
     assert counted == pause_at >= ran  # Never fewer than the steps that ran.
     assert not os.path.exists(where["result"])
 
-    run_to_end(start("fit", tmp_path, -1, phase))
+    run_to_end(start("fit", tmp_path, -1, phase, kind))
     result = json.loads(pathlib.Path(where["result"]).read_text())
+    assert result["model"] == {"dp": "DPModel", "fedemb": "FedEmbModel"}[kind]
     # The backup alone would have lost steps; the ledger restored them.
     assert result["restored_steps"] < counted
+    assert result["restored_steps"] % child.SAVE_FREQ == 0
     assert result["ledger_raised_by"] == counted - result["restored_steps"]
-    # Exact: the steps counted before the kill plus those run after.
+    # Keras resumes at the backup's epoch and runs it again from its start.
+    backup_epoch = max(0, result["restored_steps"] - 1) // child.STEPS_PER_EPOCH
+    assert result["restored_epoch"] == backup_epoch
+    epochs = result["epochs_run"]
+    assert epochs == list(range(backup_epoch, backup_epoch + len(epochs)))
+    # Exact: the steps counted before the kill plus those run after, which is
+    # what the model counts and what its own statement and the budget state.
     final = counted + result["batches_run"]
     assert result["private_steps"] == result["statement_steps"] == final
+    assert result["model_statement_steps"] == final
     assert ledger.read_ledger(where["ledger"])["steps"] == final
+    # The ledger names the model and the mechanism of its settings.
+    mechanism = mechanism_of(kind)
+    assert result["mechanism"] == ledger.mechanism_parameters(mechanism)
+    assert ledger.read_ledger(where["ledger"], mechanism, result["model"])
     # ε is that of the count, and never above the target.
-    mechanism = privacy.dp_sgd(
-        child.NOISE, batch_size=child.Q * child.N, num_examples=child.N, clip_norm=1.0
-    )
     epsilon = privacy.epsilon(mechanism, final, child.DELTA)
     assert result["statement_epsilon"] == pytest.approx(epsilon, rel=1e-9)
-    assert epsilon == pytest.approx(dp_accounting_epsilon(final), rel=1e-3)
+    assert result["model_statement_epsilon"] == pytest.approx(epsilon, rel=1e-9)
+    assert epsilon == pytest.approx(dp_accounting_epsilon(kind, final), rel=1e-3)
     statement = privacy.ledger_statement(where["ledger"], mechanism, child.DELTA)
     assert statement.epsilon == pytest.approx(epsilon, rel=1e-9)
     assert final == result["step_budget"]  # It ran until the budget.
     logged = [float(x) for x in pathlib.Path(where["epsilons"]).read_text().split()]
     assert max([*logged, epsilon]) <= child.TARGET
-    assert dp_accounting_epsilon(final + 1) > child.TARGET  # The budget binds.
+    assert dp_accounting_epsilon(kind, final + 1) > child.TARGET  # It binds.
+    if kind == "fedemb":
+        # The resumed process trained on rounds none of which it served
+        # twice (the rounds of a Keras epoch are an epoch of the
+        # VirtualClients never served before; seed=None, so the killed
+        # process's rounds were of other draws).
+        served = [tuple(pair) for pair in result["served"]]
+        assert len(set(served)) == len(served) >= result["batches_run"]
     assert no_partial_files(tmp_path) == []
 
 
@@ -141,7 +202,7 @@ def load(path):
     )
 
 
-def test_a_kill_during_a_save_leaves_the_previous_file_whole_if_atomic(tmp_path):
+def test_a_kill_during_a_save_leaves_the_previous_file_whole_if_atomic(start, tmp_path):
     kill_when(start("save", tmp_path), "SAVING")
     # Each atomic save leaves its previous file, whole, and a partial file.
     assert len(no_partial_files(tmp_path)) == 2
@@ -158,13 +219,15 @@ def test_a_restore_after_the_ledger_is_refused_before_any_step(tmp_path):
     from kdpemb.privacy import protocol
     from kdpemb.testing import ToyDPRegressor, toy_regression_data
 
+    n, d, noise, q = 64, 3, 1.5, 0.1
+
     class RestoresOlder(keras.callbacks.Callback):  # BackupAndRestore, misplaced
         def on_train_begin(self, logs=None):
             self.model.private_steps.assign(2)
 
-    model = ToyDPRegressor(child.N, child.D, child.NOISE, child.Q)
+    model = ToyDPRegressor(n, d, noise, q)
     model.compile(optimizer="sgd")
-    data = toy_regression_data(child.N, child.D, steps_per_epoch=3)
+    data = toy_regression_data(n, d, steps_per_epoch=3)
     path = tmp_path / "ledger.json"
     model.fit(data, epochs=2, verbose=0, callbacks=[PrivacyLedger(path)])
     with pytest.raises(RuntimeError, match="went down to 2"):

@@ -5,7 +5,11 @@ import os
 import keras
 
 from kdpemb.privacy import ledger
-from kdpemb.privacy.protocol import check_private_model, read_private_steps
+from kdpemb.privacy.protocol import (
+    check_private_model,
+    read_private_steps,
+    resume_steps,
+)
 
 
 class PrivacyLedger(keras.callbacks.Callback):
@@ -22,7 +26,10 @@ class PrivacyLedger(keras.callbacks.Callback):
       is never below the steps that ran;
     - when training begins it raises the model's `private_steps` to the
       ledger's count if a restore went back (it never lowers it) and says
-      so. `private_steps` is what `PrivacyBudget`, `privacy_statement` and
+      so. A `FedEmbModel` on rounds without sampling (`sampling="epochs"`)
+      is raised to the next whole epoch: its accounting counts epochs of
+      R rounds, and the killed epoch's rounds released part of one.
+      `private_steps` is what `PrivacyBudget`, `privacy_statement` and
       target-ε plans read, so from then on they count the lost steps;
     - at each epoch end and at train end, where every backend has synced
       the model, it writes the model's own count (exact: a call of
@@ -100,17 +107,24 @@ class PrivacyLedger(keras.callbacks.Callback):
         record = ledger.read_ledger(self.path, self._mechanism, self._model_name())
         steps = read_private_steps(model)
         self.restored_steps = 0
-        if record is not None and record["steps"] > steps:
-            self.restored_steps = record["steps"] - steps
+        counted = steps if record is None else max(record["steps"], steps)
+        raised = steps if record is None else resume_steps(model, counted)
+        if raised > steps:
+            self.restored_steps = raised - steps
             if self.verbose:
+                whole = (
+                    ""
+                    if raised == counted
+                    else f" (the model accounts {raised} for them)"
+                )
                 print(
                     f"PrivacyLedger: the model restored {steps} private steps, "
-                    f"but the ledger {self.path} counts {record['steps']} begun; "
-                    f"private_steps is raised to {record['steps']}.",
+                    f"but the ledger {self.path} counts {counted} "
+                    f"begun{whole}; private_steps is raised to {raised}.",
                     flush=True,
                 )
-            model.private_steps.assign(record["steps"])
-            steps = record["steps"]
+            model.private_steps.assign(raised)
+            steps = raised
         self._record = ledger.ledger_record(self._mechanism, steps, self._model_name())
         self._floor = self._counted = steps
         self._write(steps)

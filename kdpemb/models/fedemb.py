@@ -619,6 +619,21 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         """
         return protocol.privacy_statement(self, delta, accountant)
 
+    def ledger_resume_steps(self, counted):
+        """The rounds to resume from when `kdpemb.callbacks.PrivacyLedger`
+        counted `counted` begun before a crash: `counted`; with rounds
+        without sampling (`sampling="epochs"`), the next multiple of the
+        epoch's R rounds. Their accounting (and the tree noise) counts
+        whole epochs, in each of which a user takes part once; the killed
+        epoch's rounds released part of one, and the resumed run starts a
+        new one (a user takes part again), so the killed epoch counts as a
+        whole one. Never fewer rounds than `counted`."""
+        schedule = self._known_schedule()
+        if schedule.sampling != "epochs":
+            return counted
+        rounds = schedule.steps_per_epoch
+        return -(-counted // rounds) * rounds
+
     def simulated_deployment(
         self,
         scale,

@@ -13,6 +13,9 @@ Keras model that has:
 - optionally `delta`: the model's δ (a float, or None). δ is given once,
   to the model: `PrivacyBudget` and `privacy_statement` use it when they
   are not given one.
+- optionally `ledger_resume_steps(counted)`: the `private_steps` a run
+  resumes from when `kdpemb.callbacks.PrivacyLedger` counted `counted`
+  steps begun before a crash (at least `counted`; see `resume_steps`).
 
 kdpemb's DP models implement it. Example of a minimal implementation:
 
@@ -84,6 +87,22 @@ def read_private_steps(model):
     steps = int(np.asarray(getattr(value, "value", value)))
     if steps < 0:
         raise ValueError(f"{type(model).__name__}.private_steps is negative: {steps}.")
+    return steps
+
+
+def resume_steps(model, counted):
+    """The `private_steps` to resume from after a crash that left `counted`
+    steps begun: `counted`, or more where the model's accounting has
+    coarser units (`FedEmbModel` with rounds without sampling counts a
+    partial epoch as a whole one). Never fewer than `counted`."""
+    hook = getattr(model, "ledger_resume_steps", None)
+    steps = counted if hook is None else int(hook(counted))
+    if steps < counted:
+        raise ValueError(
+            f"{type(model).__name__}.ledger_resume_steps({counted}) returned "
+            f"{steps}: a resumed run must count at least the {counted} steps "
+            "begun."
+        )
     return steps
 
 

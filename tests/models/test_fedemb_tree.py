@@ -361,3 +361,44 @@ def test_a_model_that_took_its_schedule_from_the_clients_saves_and_resumes(
     np.testing.assert_array_equal(open_noise(loaded), open_noise(model))
     loaded.fit(clients, epochs=1, verbose=0)
     assert protocol.read_private_steps(loaded) == 2 * clients.rounds_per_epoch
+
+
+def test_a_ledger_resumes_a_killed_epoch_as_a_whole_one(tmp_path):
+    # A run killed 2 rounds into its second epoch: its backup (saved at the
+    # first epoch's end) restores R rounds, its ledger counts R + 2 begun.
+    # The killed rounds released part of a tree over users who take part
+    # again in the resumed epoch, so the model resumes at 2R: a whole epoch
+    # for them, where R + 2 would be refused as a cut-short epoch.
+    import dp_accounting as dpa
+
+    from kdpemb.callbacks import PrivacyLedger
+    from kdpemb.privacy import ledger
+
+    clients = epochs_clients(seed=None)
+    rounds = clients.rounds_per_epoch
+    model = tree_model(schedule=clients.schedule)
+    path = tmp_path / "ledger.json"
+    model.fit(clients, epochs=1, verbose=0, callbacks=[PrivacyLedger(path)])
+    mechanism = model.privacy_mechanism()
+    ledger.write_ledger(path, mechanism, rounds + 2, model="FedEmbModel")
+    resumed = PrivacyLedger(path, verbose=0)
+    model.fit(clients, epochs=1, verbose=0, callbacks=[resumed])
+    assert resumed.restored_steps == rounds
+    steps = protocol.read_private_steps(model)
+    assert steps == ledger.read_ledger(path)["steps"] == 3 * rounds
+    assert int(keras.ops.convert_to_numpy(model.misaligned_rounds)) == 0
+
+    # ε counts three whole trees (dp-accounting directly), at least what
+    # ran: the trees of R, 2 and R rounds. k = 2 users per client: a tree
+    # node moves by up to 2C, so its noise is z / 2 per unit of sensitivity.
+    def tree_epsilon(*trees):
+        relation = dpa.NeighboringRelation.REPLACE_SPECIAL  # As trees need.
+        accountant = dpa.rdp.RdpAccountant(neighboring_relation=relation)
+        for leaves in trees:
+            z = model.noise_multiplier / 2
+            accountant.compose(dpa.SingleEpochTreeAggregationDpEvent(z, [leaves]))
+        return accountant.get_epsilon(DELTA)
+
+    epsilon = model.privacy_statement().epsilon
+    assert epsilon == pytest.approx(tree_epsilon(rounds, rounds, rounds), rel=1e-6)
+    assert epsilon > tree_epsilon(rounds, 2, rounds)
