@@ -15,6 +15,8 @@ import contextlib
 import io
 import math
 import signal
+import warnings
+from functools import cache
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
@@ -600,3 +602,554 @@ def test_cli_good_values():
     status, output = run_cli(argv)
     assert status in (0, None), output
     assert "epsilon" in output
+
+
+# Data: VirtualClients, PoissonIndices, PoissonBatches -----------------------
+
+USERS, PER_USER, IDENTITIES = 8, 3, 4
+VC_IMAGES = np.random.default_rng(0).normal(size=(USERS * PER_USER, 4, 4, 1))
+VC_LABELS = np.arange(USERS * PER_USER) % IDENTITIES
+VC_USERS = np.repeat(np.arange(USERS), PER_USER)
+VC_GOOD = {"clients_per_round": 2, "users_per_client": 2, "batch_size": 2}
+
+
+def virtual_clients(images=VC_IMAGES, labels=VC_LABELS, user_ids=VC_USERS, **kwargs):
+    from kdpemb.data import VirtualClients
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # A fixed seed, a derived P.
+        return VirtualClients(images, labels, user_ids, **{**VC_GOOD, **kwargs})
+
+
+VC_ARG_BAD = {
+    "clients_per_round": st.one_of(bad_positive_real(), st.floats(4.01, 1e300)),
+    "users_per_client": st.one_of(bad_positive_int(), st.integers(USERS + 1)),
+    "sampling": bad_choice(),
+    "local_steps": bad_positive_int(),
+    "batch_size": bad_positive_int(),
+    "max_examples_per_client": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None), st.integers(3, 10**9)
+    ),
+    "max_clients_per_round": bad_positive_int().filter(lambda v: v is not None),
+    "rounds_per_epoch": bad_positive_int().filter(lambda v: v is not None),
+    "num_clients": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None),
+        st.integers(USERS + 1, 10**12),
+    ),
+    "num_classes": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None),
+        st.integers(-5, IDENTITIES - 1),
+    ),
+    "seed": st.one_of(
+        NOT_NUMBERS.filter(lambda v: v is not None),
+        NON_FINITE,
+        BOOLS,
+        st.integers(max_value=-1),
+        st.integers(min_value=2**128),
+        st.floats(0, 10),
+    ),
+    "workers": bad_positive_int().filter(lambda v: v is not None),
+    "max_queue_size": bad_positive_int(),
+    "client_order": bad_choice(),
+}
+
+
+@fuzz(60)
+@given(st.data())
+def test_virtual_clients_arguments(data):
+    name = data.draw(st.sampled_from(sorted(VC_ARG_BAD)))
+    value = data.draw(VC_ARG_BAD[name])
+    rejects(lambda: virtual_clients(seed=0, **{name: value}), name)
+
+
+def bad_images(data, n=USERS * PER_USER):
+    """Images that are not finite numbers of shape (N, H, W, C)."""
+    kind = data.draw(st.sampled_from(["non_finite", "rank", "dtype", "empty"]))
+    images = VC_IMAGES.copy()
+    if kind == "non_finite":
+        images[data.draw(st.integers(0, n - 1)), 0, 0, 0] = data.draw(NON_FINITE)
+    elif kind == "rank":
+        shape = data.draw(st.sampled_from([(n,), (n, 4, 4, 1, 1), (n, 16), ()]))
+        images = np.zeros(shape)
+    elif kind == "dtype":
+        images = images.astype(data.draw(st.sampled_from([complex, object, "U3"])))
+    else:
+        images = images[:0]
+    return images
+
+
+def bad_labels(data, n, num_classes=None):
+    """Labels that are not n whole numbers in [0, num_classes)."""
+    kind = data.draw(
+        st.sampled_from(
+            ["negative", "fraction", "non_finite", "dtype", "length"]
+            + (["range"] if num_classes else [])
+        )
+    )
+    labels = np.arange(n) % 2
+    i = data.draw(st.integers(0, n - 1))
+    if kind == "negative":
+        labels[i] = data.draw(st.integers(max_value=-1).filter(lambda v: v > -(2**62)))
+    elif kind == "fraction":
+        labels = labels + data.draw(st.sampled_from([0.5, 1e-9, -0.25]))
+    elif kind == "non_finite":
+        labels = labels.astype(float)
+        labels[i] = data.draw(NON_FINITE)
+    elif kind == "dtype":
+        labels = np.array(
+            data.draw(st.sampled_from([[None] * n, [1j] * n, ["a"] * n, [{}] * n]))
+        )
+    elif kind == "length":
+        labels = labels[: data.draw(st.integers(0, n - 1))]
+    else:
+        labels[i] = data.draw(st.integers(num_classes, 2**62))
+    return labels
+
+
+@fuzz(40)
+@given(st.data())
+def test_virtual_clients_data(data):
+    n = USERS * PER_USER
+    field = data.draw(st.sampled_from(["images", "labels", "user_ids"]))
+    if field == "images":
+        images = bad_images(data)
+        rejects(lambda: virtual_clients(images, seed=0), "images")
+    elif field == "labels":
+        labels = bad_labels(data, n, num_classes=IDENTITIES)
+        rejects(
+            lambda: virtual_clients(labels=labels, num_classes=IDENTITIES, seed=0),
+            "labels",
+            "num_classes",
+        )
+    else:
+        user_ids = data.draw(
+            st.sampled_from(
+                [
+                    VC_USERS[:-1],
+                    VC_USERS + 0.5,
+                    np.full(n, NAN),
+                    np.full(n, 1j),
+                    np.full(n, None),
+                    VC_USERS.reshape(-1, 1),
+                    np.zeros(0),
+                ]
+            )
+        )
+        rejects(lambda: virtual_clients(user_ids=user_ids, seed=0), "user_ids")
+
+
+@st.composite
+def good_poisson_indices(draw):
+    n = draw(st.integers(1, 10**6))
+    sampling = draw(st.sampled_from(["poisson", "fixed"]))
+    batch = draw(st.none() | st.integers(1, min(n, 10**4)))
+    if batch is not None and sampling == "poisson":
+        batch = draw(st.just(batch) | st.floats(1e-3, 1.0).map(lambda f: f * batch))
+    return {
+        "num_examples": n,
+        "batch_size": batch,
+        "steps": draw(st.integers(1, 10**6)),
+        "seed": draw(st.none() | st.integers(0, 2**64)),
+        "padding": draw(st.sampled_from(["bound", "multiple", "none"])),
+        "sampling": sampling,
+        "multiple_of": draw(st.integers(1, 64)),
+    }
+
+
+@fuzz(60)
+@given(good_poisson_indices(), st.data())
+def test_poisson_indices(kwargs, data):
+    from kdpemb.data import PoissonIndices
+
+    with time_limit():
+        batches = PoissonIndices(**kwargs)
+        indices, mask = batches[data.draw(st.integers(0, kwargs["steps"] - 1))]
+    n, chosen = kwargs["num_examples"], indices[mask == 1]
+    assert len(batches) == kwargs["steps"] and indices.shape == mask.shape
+    assert np.all(np.diff(chosen) > 0) and (chosen.size == 0 or chosen[-1] < n)
+    bad = {
+        "num_examples": bad_positive_int(),
+        "batch_size": st.one_of(
+            bad_positive_real().filter(lambda v: v is not None),
+            st.floats(n * (1 + 1e-9) + 1, 1e300),
+        ),
+        "steps": bad_positive_int(),
+        "seed": st.one_of(
+            NOT_NUMBERS.filter(lambda v: v is not None),
+            NON_FINITE,
+            BOOLS,
+            st.integers(max_value=-1),
+            st.floats(0, 10),
+        ),
+        "padding": bad_choice(),
+        "sampling": bad_choice(),
+        "multiple_of": bad_positive_int(),
+    }
+    name = data.draw(st.sampled_from(sorted(bad)))
+    value = data.draw(bad[name])
+    if name == "num_examples" and kwargs["batch_size"] is not None:
+        value = value if value is not None else 0
+    names = (name, "batch_size") if name == "num_examples" else (name,)
+    rejects(lambda: PoissonIndices(**{**kwargs, name: value}), *names)
+
+
+@fuzz(20)
+@given(st.data())
+def test_poisson_indices_fixed_fraction(data):
+    from kdpemb.data import PoissonIndices
+
+    batch = data.draw(st.floats(1.0, 99.0).filter(lambda v: v != int(v)))
+    rejects(lambda: PoissonIndices(100, batch, 1, sampling="fixed"), "batch_size")
+
+
+@fuzz(20)
+@given(st.data())
+def test_poisson_batches(data):
+    from kdpemb.data import PoissonBatches
+
+    features, labels = np.zeros((10, 3)), np.zeros(10, int)
+    batches = PoissonBatches(features, labels, 5, 2, seed=0)
+    assert batches[1][0].shape[1:] == (3,)
+    kind = data.draw(st.sampled_from(["length", "not_array", "empty"]))
+    if kind == "length":
+        labels = labels[: data.draw(st.integers(0, 9))]
+    elif kind == "not_array":
+        features = data.draw(st.sampled_from([None, 3, 1.5, object()]))
+    else:
+        features, labels = features[:0], labels[:0]
+    rejects(
+        lambda: PoissonBatches(features, labels, 5, 2, seed=0),
+        "features",
+        "labels",
+    )
+
+
+# Model constructors ----------------------------------------------------------
+
+
+def quietly(call):
+    """`call()` with kdpemb's warnings (a fixed seed, ...) muted."""
+
+    def wrapped():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return call()
+
+    return wrapped
+
+
+@cache
+def tiny_network(classes=3, dim=4):
+    import keras
+
+    return keras.Sequential([keras.Input((dim,)), keras.layers.Dense(classes)])
+
+
+def bad_seed():
+    return st.one_of(
+        NOT_NUMBERS.filter(lambda v: v is not None),
+        NON_FINITE,
+        BOOLS,
+        st.integers(max_value=-1),
+        st.integers(min_value=2**31),
+        st.floats(0, 10),
+    )
+
+
+def bad_bool():
+    return st.one_of(NOT_NUMBERS, st.integers(), st.text(max_size=3))
+
+
+def bad_delta_arg():
+    return st.one_of(bad_positive_real(), st.floats(min_value=1.0, allow_nan=False))
+
+
+def bad_noise_multiplier():
+    return st.one_of(
+        bad_non_negative_real().filter(lambda v: v is not None),
+        st.floats(1e-300, 9.9e-7),
+        st.floats(1.01e12, 1e308),
+    )
+
+
+MODEL_COMMON_BAD = {
+    "clip_norm": bad_positive_real().filter(lambda v: v is not None),
+    "noise_multiplier": bad_noise_multiplier(),
+    "delta": bad_delta_arg().filter(lambda v: v is not None),
+    "seed": bad_seed(),
+}
+
+DP_MODEL_BAD = {
+    **MODEL_COMMON_BAD,
+    "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
+    "physical_batch_size": bad_positive_int().filter(lambda v: v is not None),
+    "sampling": bad_choice(),
+    "per_layer_clipping": bad_bool(),
+    "gradient_method": bad_choice(),
+    "network": st.one_of(NOT_NUMBERS, st.integers()),
+}
+
+
+@fuzz(40)
+@given(st.data())
+def test_dp_model_arguments(data):
+    from kdpemb.models import DPModel
+
+    name = data.draw(st.sampled_from(sorted(DP_MODEL_BAD)))
+    kwargs = {"clip_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+    if name == "target_epsilon":
+        kwargs.pop("noise_multiplier")
+    kwargs[name] = data.draw(DP_MODEL_BAD[name])
+    network = kwargs.pop("network", tiny_network())
+    rejects(quietly(lambda: DPModel(network, **kwargs)), name)
+
+
+LAST_LAYER_BAD = {
+    **MODEL_COMMON_BAD,
+    "num_classes": bad_positive_int(),
+    "method": bad_choice(),
+    "feature_clip_norm": bad_positive_real().filter(lambda v: v is not None),
+    "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
+    "head_init": bad_choice(),
+    "l2": st.one_of(
+        NOT_NUMBERS.filter(lambda v: v is not None),
+        NON_FINITE,
+        BOOLS,
+        st.floats(max_value=-1e-300, allow_infinity=False),
+    ),
+    "budget_split": st.one_of(
+        NOT_NUMBERS,
+        NON_FINITE,
+        BOOLS,
+        st.floats(max_value=0.0),
+        st.floats(min_value=1.0),
+    ),
+}
+
+
+@fuzz(40)
+@given(st.data())
+def test_last_layer_arguments(data):
+    from kdpemb.models import LastLayerDPClassifier
+
+    name = data.draw(st.sampled_from(sorted(LAST_LAYER_BAD)))
+    kwargs = {"num_classes": 3, "noise_multiplier": 1.0, "delta": 1e-5}
+    if name == "target_epsilon":
+        kwargs.pop("noise_multiplier")
+    if name in ("feature_clip_norm", "l2", "budget_split"):
+        kwargs["method"] = "dp-ls"
+        kwargs["feature_clip_norm"] = 1.0
+    kwargs[name] = data.draw(LAST_LAYER_BAD[name])
+    rejects(quietly(lambda: LastLayerDPClassifier(**kwargs)), name)
+
+
+FEDEMB_BAD = {
+    **MODEL_COMMON_BAD,
+    "embedding_dim": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None), st.just(2.5)
+    ),
+    "num_classes": bad_positive_int().filter(lambda v: v is not None),
+    "aggregation": bad_choice(),
+    "client_optimizer": st.one_of(
+        bad_positive_real().filter(lambda v: v is not None), st.just("sgdd")
+    ),
+    "head_lr_scale": bad_positive_real(),
+    "head": bad_choice(),
+    "head_scale": bad_positive_real(),
+    "head_margin": st.one_of(
+        NOT_NUMBERS, NON_FINITE, st.floats(max_value=-1e-9), st.floats(min_value=1.0)
+    ),
+    "head_init": bad_choice().filter(lambda v: v is not None),
+    "reconstruction_steps": st.one_of(
+        NOT_NUMBERS, NON_FINITE, BOOLS, st.integers(max_value=-1), st.just(1.5)
+    ),
+    "client_parallelism": bad_positive_int().filter(lambda v: v is not None),
+    "noise": bad_choice(),
+    "tree_estimator": bad_choice(),
+    "log_local_loss": bad_bool(),
+    "log_nonfinite_updates": bad_bool(),
+    "backbone": st.one_of(NOT_NUMBERS, st.integers()),
+}
+
+
+@fuzz(40)
+@given(st.data())
+def test_fedemb_arguments(data):
+    from kdpemb.models import FedEmbModel
+
+    name = data.draw(st.sampled_from(sorted(FEDEMB_BAD)))
+    kwargs = {"noise_multiplier": 1.0, "delta": 1e-5}
+    if name == "num_classes":
+        kwargs["aggregation"] = data.draw(st.sampled_from(["full", "partial"]))
+    if name in ("head_margin", "head_init"):
+        kwargs["head"] = "cosine"
+    kwargs[name] = data.draw(FEDEMB_BAD[name])
+    backbone = kwargs.pop("backbone", None) or cached_backbone()
+    rejects(quietly(lambda: FedEmbModel(backbone, **kwargs)), name)
+
+
+@cache
+def cached_backbone():
+    from tests.models import fedemb_reference as ref
+
+    return ref.linear_backbone()
+
+
+# fit inputs ------------------------------------------------------------------
+
+FIT_N, FIT_DIM, FIT_CLASSES = 12, 4, 3
+FIT_X = np.random.default_rng(1).normal(size=(FIT_N, FIT_DIM)).astype("float32")
+FIT_Y = np.arange(FIT_N) % FIT_CLASSES
+
+
+def bad_features(data, n=FIT_N, dim=FIT_DIM):
+    """Rows that are not finite real vectors of length `dim`."""
+    kind = data.draw(st.sampled_from(["non_finite", "rank", "dtype", "width"]))
+    x = FIT_X.copy()
+    if kind == "non_finite":
+        x[data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, dim - 1))] = (
+            data.draw(NON_FINITE)
+        )
+    elif kind == "rank":
+        x = np.zeros(data.draw(st.sampled_from([(n,), (n, dim, 1), (n, 1, dim)])))
+    elif kind == "dtype":
+        x = x.astype(data.draw(st.sampled_from([complex, object, "U3", "S2"])))
+    else:
+        x = np.zeros((n, data.draw(st.sampled_from([1, dim + 1, 0]))))
+    return x
+
+
+@cache
+def dp_model():
+    import keras
+
+    from kdpemb.models import DPModel
+
+    model = quietly(
+        lambda: DPModel(tiny_network(), noise_multiplier=1.0, delta=1e-3, seed=0)
+    )()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@cache
+def last_layer_model():
+    from kdpemb.models import LastLayerDPClassifier
+
+    model = quietly(
+        lambda: LastLayerDPClassifier(
+            FIT_CLASSES, noise_multiplier=1.0, delta=1e-3, seed=0
+        )
+    )()
+    model.build((None, FIT_DIM))  # Features of another width are refused.
+    return model
+
+
+def bad_fit_arguments(data):
+    """(x, y, kwargs, names): one bad input of a classifier's `fit`."""
+    x, y, kwargs = FIT_X, FIT_Y, {"batch_size": 4, "epochs": 1, "verbose": 0}
+    part = data.draw(st.sampled_from(["x", "y", "empty", "batch_size", "epochs"]))
+    if part == "x":
+        return bad_features(data), y, kwargs, ("x", "features", "network", "input")
+    if part == "y":
+        return x, bad_labels(data, FIT_N, FIT_CLASSES), kwargs, ("y", "labels")
+    if part == "empty":
+        return x[:0], y[:0], kwargs, ("x", "features", "empty")
+    value = data.draw(
+        st.one_of(bad_positive_int(), st.integers(FIT_N + 1, 10**12))
+        if part == "batch_size"
+        else bad_positive_int()
+    )
+    if part == "batch_size" and value is None:
+        value = 0  # None: full batches, valid.
+    return x, y, {**kwargs, part: value}, (part,)
+
+
+@fuzz(25)
+@given(st.data())
+def test_dp_model_fit_inputs(data):
+    x, y, kwargs, names = bad_fit_arguments(data)
+    model = dp_model()
+    rejects(quietly(lambda: model.fit(x, y, **kwargs)), *names)
+    assert int(model.private_steps.value) == 0
+
+
+@fuzz(25)
+@given(st.data())
+def test_last_layer_fit_inputs(data):
+    x, y, kwargs, names = bad_fit_arguments(data)
+    model = last_layer_model()
+    rejects(quietly(lambda: model.fit(x, y, **kwargs)), *names)
+    assert int(model.private_steps.value) == 0
+
+
+@fuzz(15)
+@given(st.data())
+def test_fedemb_fit_inputs(data):
+    from kdpemb.models import FedEmbModel
+
+    model = quietly(lambda: FedEmbModel(cached_backbone(), noise_multiplier=1.0))()
+    x = data.draw(
+        st.sampled_from(
+            [None, FIT_X, (FIT_X, FIT_Y), {"images": VC_IMAGES}, [VC_IMAGES], 3]
+        )
+    )
+    rejects(lambda: model.fit(x, verbose=0), "VirtualClients", "schedule")
+
+
+def test_fitted_models_stay_usable():
+    """The cached models took no step; good inputs still train."""
+    for model in (dp_model(), last_layer_model()):
+        quietly(lambda m=model: m.fit(FIT_X, FIT_Y, batch_size=4, verbose=0))()
+        assert int(model.private_steps.value) == 3
+
+
+# Callbacks -------------------------------------------------------------------
+
+
+@fuzz(40)
+@given(st.data())
+def test_privacy_budget_arguments(data):
+    from kdpemb.callbacks import PrivacyBudget
+
+    bad = {
+        "delta": bad_delta_arg().filter(lambda v: v is not None),
+        "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
+        "accountant": bad_choice(),
+        "value_discretization_interval": st.one_of(
+            bad_positive_real(), st.floats(1.01, 1e308)
+        ),
+    }
+    name = data.draw(st.sampled_from(sorted(bad)))
+    rejects(lambda: PrivacyBudget(**{name: data.draw(bad[name])}), name)
+
+
+@fuzz(40)
+@given(good_embeddings(), st.data())
+def test_recall_at_far_callback_arguments(good, data):
+    from kdpemb.callbacks import RecallAtFAR
+
+    images, labels = good
+    bad = {
+        "far": st.one_of(
+            NOT_NUMBERS,
+            NON_FINITE,
+            st.floats(max_value=0.0),
+            st.floats(min_value=1.0, exclude_min=True),
+            st.just([]),
+        ),
+        "every_n_epochs": bad_positive_int(),
+        "batch_size": bad_positive_int(),
+        "pairs": bad_choice(),
+        "in_batch_size": st.one_of(bad_positive_int(), st.just(1)),
+        "data": st.sampled_from(
+            [None, 3, "x", images, (images,), (images, labels[:-1])]
+        ),
+    }
+    name = data.draw(st.sampled_from(sorted(bad)))
+    kwargs = {"data": (images, labels), "far": 0.5}
+    if name == "in_batch_size":
+        kwargs["pairs"] = "in_batch"
+    kwargs[name] = data.draw(bad[name])
+    names = ("data", "labels", "images") if name == "data" else (name,)
+    rejects(lambda: RecallAtFAR(**kwargs), *names)

@@ -99,13 +99,17 @@ class PrivacyBudget(keras.callbacks.Callback):
             if target_epsilon is None
             else validation.check_target_epsilon(target_epsilon)
         )
-        if accountant is not None and accountant not in ACCOUNTANTS:
+        if accountant is not None and (
+            not isinstance(accountant, str) or accountant not in ACCOUNTANTS
+        ):
             raise ValueError(
                 f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}."
             )
         self.accountant = accountant
-        self.value_discretization_interval = validation.check_positive(
-            value_discretization_interval, "value_discretization_interval"
+        self.value_discretization_interval = (
+            validation.check_value_discretization_interval(
+                value_discretization_interval
+            )
         )
         self.verbose = verbose
         self.epsilon = None

@@ -237,6 +237,8 @@ class VirtualClients(keras.utils.PyDataset):
     ):
         if workers is None:
             workers = 1 if sampling == "epochs" else 2
+        workers = validation.check_positive_int(workers, "workers")
+        max_queue_size = validation.check_positive_int(max_queue_size, "max_queue_size")
         super().__init__(workers=workers, max_queue_size=max_queue_size)
         images, labels, user_ids, num_classes = sources.read_source(
             images, labels, user_ids, num_classes=num_classes
@@ -256,7 +258,7 @@ class VirtualClients(keras.utils.PyDataset):
                 f"{self.num_users} users in the data. Use at most "
                 f"{self.num_users}, or add users."
             )
-        if sampling not in _SAMPLINGS:
+        if not isinstance(sampling, str) or sampling not in _SAMPLINGS:
             raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}.")
         self.sampling = sampling
         self.client_order = self._check_client_order(client_order)
@@ -417,7 +419,7 @@ class VirtualClients(keras.utils.PyDataset):
             return None
         if order is None:
             return "shuffled"
-        if order not in _CLIENT_ORDERS:
+        if not isinstance(order, str) or order not in _CLIENT_ORDERS:
             raise ValueError(
                 f"client_order must be one of {_CLIENT_ORDERS}, got {order!r}."
             )
