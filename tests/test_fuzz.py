@@ -18,12 +18,17 @@ import signal
 import warnings
 from functools import cache
 
+import keras
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kdpemb import privacy
+from kdpemb.callbacks import PrivacyBudget, RecallAtFAR
+from kdpemb.data import PoissonBatches, PoissonIndices, VirtualClients
 from kdpemb.metrics import recall_at_far
+from kdpemb.models import DPModel, FedEmbModel, LastLayerDPClassifier
 
 
 def fuzz(max_examples):
@@ -614,8 +619,6 @@ VC_GOOD = {"clients_per_round": 2, "users_per_client": 2, "batch_size": 2}
 
 
 def virtual_clients(images=VC_IMAGES, labels=VC_LABELS, user_ids=VC_USERS, **kwargs):
-    from kdpemb.data import VirtualClients
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # A fixed seed, a derived P.
         return VirtualClients(images, labels, user_ids, **{**VC_GOOD, **kwargs})
@@ -759,8 +762,6 @@ def good_poisson_indices(draw):
 @fuzz(60)
 @given(good_poisson_indices(), st.data())
 def test_poisson_indices(kwargs, data):
-    from kdpemb.data import PoissonIndices
-
     with time_limit():
         batches = PoissonIndices(**kwargs)
         indices, mask = batches[data.draw(st.integers(0, kwargs["steps"] - 1))]
@@ -796,8 +797,6 @@ def test_poisson_indices(kwargs, data):
 @fuzz(20)
 @given(st.data())
 def test_poisson_indices_fixed_fraction(data):
-    from kdpemb.data import PoissonIndices
-
     batch = data.draw(st.floats(1.0, 99.0).filter(lambda v: v != int(v)))
     rejects(lambda: PoissonIndices(100, batch, 1, sampling="fixed"), "batch_size")
 
@@ -805,8 +804,6 @@ def test_poisson_indices_fixed_fraction(data):
 @fuzz(20)
 @given(st.data())
 def test_poisson_batches(data):
-    from kdpemb.data import PoissonBatches
-
     features, labels = np.zeros((10, 3)), np.zeros(10, int)
     batches = PoissonBatches(features, labels, 5, 2, seed=0)
     assert batches[1][0].shape[1:] == (3,)
@@ -840,8 +837,6 @@ def quietly(call):
 
 @cache
 def tiny_network(classes=3, dim=4):
-    import keras
-
     return keras.Sequential([keras.Input((dim,)), keras.layers.Dense(classes)])
 
 
@@ -893,8 +888,6 @@ DP_MODEL_BAD = {
 @fuzz(40)
 @given(st.data())
 def test_dp_model_arguments(data):
-    from kdpemb.models import DPModel
-
     name = data.draw(st.sampled_from(sorted(DP_MODEL_BAD)))
     kwargs = {"clip_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
     if name == "target_epsilon":
@@ -930,8 +923,6 @@ LAST_LAYER_BAD = {
 @fuzz(40)
 @given(st.data())
 def test_last_layer_arguments(data):
-    from kdpemb.models import LastLayerDPClassifier
-
     name = data.draw(st.sampled_from(sorted(LAST_LAYER_BAD)))
     kwargs = {"num_classes": 3, "noise_multiplier": 1.0, "delta": 1e-5}
     if name == "target_epsilon":
@@ -975,8 +966,6 @@ FEDEMB_BAD = {
 @fuzz(40)
 @given(st.data())
 def test_fedemb_arguments(data):
-    from kdpemb.models import FedEmbModel
-
     name = data.draw(st.sampled_from(sorted(FEDEMB_BAD)))
     kwargs = {"noise_multiplier": 1.0, "delta": 1e-5}
     if name == "num_classes":
@@ -1021,10 +1010,6 @@ def bad_features(data, n=FIT_N, dim=FIT_DIM):
 
 @cache
 def dp_model():
-    import keras
-
-    from kdpemb.models import DPModel
-
     model = quietly(
         lambda: DPModel(tiny_network(), noise_multiplier=1.0, delta=1e-3, seed=0)
     )()
@@ -1034,8 +1019,6 @@ def dp_model():
 
 @cache
 def last_layer_model():
-    from kdpemb.models import LastLayerDPClassifier
-
     model = quietly(
         lambda: LastLayerDPClassifier(
             FIT_CLASSES, noise_multiplier=1.0, delta=1e-3, seed=0
@@ -1086,8 +1069,6 @@ def test_last_layer_fit_inputs(data):
 @fuzz(15)
 @given(st.data())
 def test_fedemb_fit_inputs(data):
-    from kdpemb.models import FedEmbModel
-
     model = quietly(lambda: FedEmbModel(cached_backbone(), noise_multiplier=1.0))()
     x = data.draw(
         st.sampled_from(
@@ -1110,8 +1091,6 @@ def test_fitted_models_stay_usable():
 @fuzz(40)
 @given(st.data())
 def test_privacy_budget_arguments(data):
-    from kdpemb.callbacks import PrivacyBudget
-
     bad = {
         "delta": bad_delta_arg().filter(lambda v: v is not None),
         "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
@@ -1127,8 +1106,6 @@ def test_privacy_budget_arguments(data):
 @fuzz(40)
 @given(good_embeddings(), st.data())
 def test_recall_at_far_callback_arguments(good, data):
-    from kdpemb.callbacks import RecallAtFAR
-
     images, labels = good
     bad = {
         "far": st.one_of(
@@ -1153,3 +1130,146 @@ def test_recall_at_far_callback_arguments(good, data):
     kwargs[name] = data.draw(bad[name])
     names = ("data", "labels", "images") if name == "data" else (name,)
     rejects(lambda: RecallAtFAR(**kwargs), *names)
+
+
+# What the fuzzing found: each input once, with the argument it must name ----
+
+
+def _dp_model_fit(x=FIT_X, y=FIT_Y):
+    return lambda: dp_model().fit(x, y, batch_size=4, verbose=0)
+
+
+def _fedemb(**kwargs):
+    return lambda: FedEmbModel(cached_backbone(), noise_multiplier=1.0, **kwargs)
+
+
+def _last_layer(**kwargs):
+    settings = {"feature_clip_norm": 1.0, "noise_multiplier": 1.0, **kwargs}
+    return lambda: LastLayerDPClassifier(3, "dp-ls", **settings)
+
+
+def _poisson(*args, **kwargs):
+    return lambda: PoissonIndices(*args, **kwargs)
+
+
+def _nan_row(array, row=5):
+    array = array.astype("float32")
+    array[row] = NAN
+    return array
+
+
+FOUND = {  # id: (call, the name its error must hold); the old behaviour.
+    # Accepted; Keras' loader then misbehaves.
+    "vc_workers": (lambda: virtual_clients(workers=-3), "workers"),
+    "vc_queue": (lambda: virtual_clients(max_queue_size=0), "max_queue_size"),
+    # TypeError: unsupported operand type(s) for /: 'str' and 'int'.
+    "pi_batch_str": (_poisson(1, "1", 1), "batch_size"),
+    # Accepted; the first batch failed in NumPy.
+    "pi_fixed_fraction": (_poisson(100, 58.9, 1, sampling="fixed"), "batch_size"),
+    # ValueError: math domain error.
+    "pi_batch_above_n": (_poisson(100, 500, 1), "batch_size"),
+    # Accepted (no batches, or 2 of "2.5").
+    "pi_steps": (_poisson(100, 5, -1), "steps"),
+    "pi_steps_float": (_poisson(100, 5, 2.5), "steps"),
+    # Accepted; batches of one masked-out row.
+    "pi_no_examples": (_poisson(0, None, 1), "num_examples"),
+    # ZeroDivisionError.
+    "pi_multiple_of": (_poisson(100, 5, 1, multiple_of=0), "multiple_of"),
+    # ValueError from NumPy: expected non-negative integer.
+    "pi_seed": (_poisson(100, 5, 1, seed=-1), "seed"),
+    # Accepted; a gather past the labels at the first batch.
+    "pb_lengths": (
+        lambda: PoissonBatches(np.zeros((10, 3)), np.zeros(0), 5, 2),
+        "labels",
+    ),
+    # TypeError: only 0-dimensional arrays can be converted to Python scalars.
+    "model_seed_array": (_fedemb(seed=np.array([1.0, 2.0])), "seed"),
+    # Accepted, truncated to 2.
+    "model_seed_float": (_fedemb(seed=2.7), "seed"),
+    # JAX: OverflowError (out of bounds for uint32).
+    "model_seed_big": (_fedemb(seed=2**32), "seed"),
+    # Accepted; refused only by a fit.
+    "dp_model_delta": (
+        lambda: DPModel(tiny_network(), noise_multiplier=1.0, delta=NAN),
+        "delta",
+    ),
+    "last_layer_delta": (_last_layer(delta=2.0), "delta"),
+    # TypeError: '<' not supported between instances of 'int' and 'NoneType'.
+    "last_layer_budget_split": (_last_layer(budget_split=None), "budget_split"),
+    # Accepted.
+    "last_layer_l2_inf": (_last_layer(l2=INF), "l2"),
+    "last_layer_l2_bool": (_last_layer(l2=True), "l2"),
+    # Accepted as False.
+    "fedemb_log_bool": (_fedemb(log_nonfinite_updates=None), "log_nonfinite_updates"),
+    # ValueError: The truth value of an array ... is ambiguous.
+    "fedemb_head_array": (_fedemb(head=np.array([1.0, 2.0])), "head"),
+    # Accepted, truncated to 2.
+    "fedemb_embedding_dim_float": (_fedemb(embedding_dim=2.5), "embedding_dim"),
+    # Keras: invalid value for `units`.
+    "fedemb_embedding_dim_negative": (_fedemb(embedding_dim=-3), "embedding_dim"),
+    # Accepted.
+    "fedemb_num_classes": (_fedemb(num_classes=-5), "num_classes"),
+    # The message named batch_size.
+    "recall_callback_in_batch_size": (
+        lambda: RecallAtFAR(
+            (np.zeros((6, 2)), np.arange(6) % 2),
+            far=0.5,
+            pairs="in_batch",
+            in_batch_size=1,
+        ),
+        "in_batch_size",
+    ),
+    # OverflowError: math range error.
+    "accountant_interval_huge": (
+        lambda: privacy.Accountant(
+            MECHANISMS["dp_sgd"], "pld", value_discretization_interval=1e300
+        ),
+        "value_discretization_interval",
+    ),
+    # Accepted: ε = 599 where the default grid gives 0.7.
+    "accountant_interval_coarse": (
+        lambda: privacy.Accountant(
+            MECHANISMS["dp_sgd"], "pld", value_discretization_interval=100.0
+        ),
+        "value_discretization_interval",
+    ),
+    # Never answered (a grid of about 1e12 points).
+    "accountant_tiny_noise": (
+        lambda: privacy.Accountant(
+            MECHANISMS["dp_sgd"].with_noise_multiplier(1e-6), "pld"
+        ),
+        "noise_multiplier",
+    ),
+    # Trained: the NaN went into the noisy sum, and into every weight.
+    "dp_model_fit_nan_x": (_dp_model_fit(x=_nan_row(FIT_X)), "x[5]"),
+    "dp_model_fit_nan_y": (_dp_model_fit(y=_nan_row(FIT_Y)), "y[5]"),
+    # TensorFlow: InvalidArgumentError in the graph; JAX: trained silently.
+    "dp_model_fit_label_range": (_dp_model_fit(y=np.full(FIT_N, 7)), "num_classes"),
+    "dp_model_fit_label_negative": (_dp_model_fit(y=-FIT_Y - 1), "labels"),
+    # TensorFlow: Invalid dtype: str32; JAX: TypeError from jit.
+    "dp_model_fit_str_y": (_dp_model_fit(y=np.array(["a"] * FIT_N)), "y"),
+    # Backend traceback (MatMul / dot_general shapes).
+    "last_layer_fit_width": (
+        lambda: last_layer_model().fit(np.ones((FIT_N, 1)), FIT_Y, verbose=0),
+        "features",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOUND))
+def test_found_by_fuzzing(case):
+    call, name = FOUND[case]
+    rejects(quietly(call), name)
+    for model in (dp_model, last_layer_model):
+        if model.cache_info().currsize:
+            assert int(model().private_steps.value) == 0
+
+
+def test_tiny_noise_multiplier_answers():
+    """One sampled step of z = 0.01 used to build a PLD of ~1e8 points."""
+    mechanism = privacy.dp_sgd(0.01, batch_size=100, num_examples=10_000)
+    with time_limit(20):
+        accountant = privacy.Accountant(mechanism, "pld")
+        eps = accountant.epsilon(3, 1e-6)
+    assert 1e3 < eps < INF
+    assert accountant.value_discretization_interval_used > 1e-4

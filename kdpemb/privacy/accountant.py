@@ -141,10 +141,12 @@ class Accountant:
             smaller is tighter and slower. Defaults to 1e-4. Unused where
             the run is one Gaussian (no sampled step), whose ε is exact.
             Where one step's privacy loss spans more than `MAX_PLD_POINTS`
-            steps of it (noise multipliers below about 0.1 at 1e-4, where ε
-            is above about 80) the grid is coarsened to span / MAX_PLD_POINTS,
-            so that the accountant answers in seconds, not hours; ε stays an
-            upper bound (`value_discretization_interval_used`).
+            steps of it (at 1e-4: noise multipliers below about 0.2-0.3,
+            where one step's ε is above about 10) the grid is coarsened to
+            span / MAX_PLD_POINTS, so that the accountant answers in
+            seconds, not hours; ε stays an upper bound
+            (`value_discretization_interval_used`). A span too wide for a
+            grid of 1 (z around 1e-3 and below) raises ValueError.
         rdp_orders: sequence of float or None. RDP orders; defaults to
             dp-accounting's.
 
