@@ -657,6 +657,41 @@ VC_ARG_BAD = {
 }
 
 
+@fuzz(25)
+@given(st.data())
+def test_virtual_clients_good(data):
+    k = data.draw(st.integers(1, USERS))
+    pool = -(-USERS // k)
+    sampling = data.draw(st.sampled_from(["poisson", "fixed", "epochs"]))
+    clients = (
+        data.draw(st.integers(1, pool))
+        if sampling == "fixed"
+        else data.draw(st.floats(1e-300, 1.0)) * pool
+    )
+    if sampling == "epochs":
+        clients = max(clients, 1.0)
+    kwargs = {
+        "users_per_client": k,
+        "clients_per_round": clients,
+        "sampling": sampling,
+        "local_steps": data.draw(st.integers(1, 4)),
+        "batch_size": data.draw(st.integers(1, 8)),
+        "seed": data.draw(st.integers(0, 2**128 - 1)),
+    }
+    if k == 1 and sampling == "epochs":
+        kwargs["rounds_per_epoch"] = math.ceil(pool / clients)
+        kwargs["clients_per_round"] = None
+    if sampling == "epochs":
+        kwargs["workers"] = 1
+    else:  # The default floor(P / M) may be 1e300 rounds: refused (FOUND).
+        kwargs["rounds_per_epoch"] = data.draw(st.integers(1, 10**12))
+    with time_limit():
+        clients = virtual_clients(**kwargs)
+        element = clients.round(data.draw(st.integers(0, len(clients) - 1)))
+    assert element["images"].shape[1:3] == (kwargs["local_steps"], kwargs["batch_size"])
+    assert element["client_mask"].sum() <= clients.max_clients_per_round
+
+
 @fuzz(60)
 @given(st.data())
 def test_virtual_clients_arguments(data):
@@ -1162,6 +1197,12 @@ FOUND = {  # id: (call, the name its error must hold); the old behaviour.
     # Accepted; Keras' loader then misbehaves.
     "vc_workers": (lambda: virtual_clients(workers=-3), "workers"),
     "vc_queue": (lambda: virtual_clients(max_queue_size=0), "max_queue_size"),
+    # OverflowError: cannot fit 'int' into an index-sized integer (len()).
+    "vc_default_rounds": (
+        lambda: virtual_clients(clients_per_round=1e-300),
+        "clients_per_round",
+    ),
+    "vc_rounds": (lambda: virtual_clients(rounds_per_epoch=2**70), "rounds_per_epoch"),
     # TypeError: unsupported operand type(s) for /: 'str' and 'int'.
     "pi_batch_str": (_poisson(1, "1", 1), "batch_size"),
     # Accepted; the first batch failed in NumPy.

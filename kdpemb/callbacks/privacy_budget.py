@@ -52,9 +52,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         accountant: str or None. "pld" (tight) or "rdp" (fast); None
             (default): "pld" where it models the model's mechanism, else
             "rdp" (fixed-size sampling).
-        value_discretization_interval: float. PLD resolution. 1e-3 makes
-            each epoch's ε about ten times cheaper and at most ~0.5% larger.
-            Defaults to 1e-4.
+        value_discretization_interval: float in (0, 1]. PLD resolution.
+            1e-3 makes each epoch's ε about ten times cheaper and at most
+            ~0.5% larger. Defaults to 1e-4 (see `kdpemb.privacy.Accountant`).
         verbose: int. 1 prints when training stops for the budget and the
             final statement; 0 is silent.
 

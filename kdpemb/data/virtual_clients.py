@@ -35,6 +35,8 @@ _ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM, _LAYOUT_ID_STREAM = 1, 2, 3, 4
 # in which round) it is from, and its position in that epoch.
 _POSITION_KEYS = ("epoch_id", "round_in_epoch")
 _MAX_SEED = 2**128
+# An epoch's length is a Python (and tf.data) integer: at most 2**53 rounds.
+MAX_ROUNDS_PER_EPOCH = 2**53
 
 
 class ClientPlan(NamedTuple):
@@ -308,13 +310,27 @@ class VirtualClients(keras.utils.PyDataset):
             max_clients_per_round
         )
         if self.sampling != "epochs":
-            if rounds_per_epoch is None:
+            given = rounds_per_epoch is not None
+            if not given:
                 rounds_per_epoch = max(
                     1, math.floor(self.num_clients / self.clients_per_round)
                 )
             self.rounds_per_epoch = validation.check_positive_int(
                 rounds_per_epoch, "rounds_per_epoch"
             )
+            if self.rounds_per_epoch > MAX_ROUNDS_PER_EPOCH:
+                what = (
+                    f"rounds_per_epoch={self.rounds_per_epoch}"
+                    if given
+                    else f"clients_per_round={self.clients_per_round:g} makes "
+                    f"an epoch of floor(P / M) = {self.rounds_per_epoch:.3g} "
+                    "rounds, which"
+                )
+                raise ValueError(
+                    f"{what} is more than the {MAX_ROUNDS_PER_EPOCH} rounds an "
+                    "epoch (len() of this dataset) can hold. Pass a smaller "
+                    "rounds_per_epoch (and fit with epochs)."
+                )
         # The last epochs' layouts (`_epoch_layout`), shared by the threads
         # that prepare rounds.
         self._layout_lock = threading.Lock()
