@@ -11,12 +11,13 @@ import numbers
 import numpy as np
 
 
-def _is_real(value):
+def is_real(value):
+    """Whether `value` is a real number (not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_finite_real(value, name):
-    if not _is_real(value) or not math.isfinite(value):
+    if not is_real(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite real number, got {value!r}.")
     return float(value)
 
@@ -108,6 +109,65 @@ def check_positive_int(value, name, hint=""):
         hint = f" {hint}" if hint else ""
         raise ValueError(f"{name} must be a positive integer, got {value!r}.{hint}")
     return int(value)
+
+
+def check_bool(value, name):
+    """Checks True or False (a NumPy bool too), not a truthy stand-in.
+
+    >>> check_bool(True, "log_local_loss")
+    True
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+    return bool(value)
+
+
+# Seeds of the models' noise generators: a Keras SeedGenerator on JAX holds
+# uint32 values, and a model derives up to a few generators as seed + i.
+MAX_SEED = 2**31
+
+
+def check_seed(value, name="seed", maximum=MAX_SEED):
+    """Checks `None` (OS entropy) or an int in [0, maximum).
+
+    >>> check_seed(0), check_seed(None)
+    (0, None)
+    """
+    if value is None:
+        return None
+    if (
+        not isinstance(value, numbers.Integral)
+        or isinstance(value, bool)
+        or not 0 <= value < maximum
+    ):
+        raise ValueError(
+            f"{name} must be None or an int in [0, {maximum}), got {value!r}. "
+            "Leave it None (OS entropy) for a model or sampling you release."
+        )
+    return int(value)
+
+
+# The PLD accountant's grid step h: ε is rounded up to a multiple of h (and
+# composition adds up to about h per step of error), so h above 1 makes ε a
+# meaningless bound (e.g. 599 for a true ε of 0.7 at h = 100).
+MAX_VALUE_DISCRETIZATION_INTERVAL = 1.0
+
+
+def check_value_discretization_interval(value):
+    """Checks the PLD grid step h in (0, 1].
+
+    >>> check_value_discretization_interval(1e-4)
+    0.0001
+    """
+    value = check_positive(value, "value_discretization_interval")
+    if value > MAX_VALUE_DISCRETIZATION_INTERVAL:
+        raise ValueError(
+            f"value_discretization_interval={value!r} is above "
+            f"{MAX_VALUE_DISCRETIZATION_INTERVAL:g}: the PLD accountant rounds ε "
+            "up to multiples of it, so ε would be a uselessly loose bound. Use "
+            "the default 1e-4 (or up to 1e-2 for a quick estimate)."
+        )
+    return value
 
 
 def check_deployment_scale(value):
@@ -264,12 +324,33 @@ def check_labels(labels, num_examples=None, num_classes=None):
     return array.astype(np.int64)
 
 
+def check_real_dtype(array, name, what="values"):
+    """Checks that the rows of `array` hold real numbers (bool, int or float).
+
+    Reads the dtype of the first row only (an array or a lazy array-like,
+    e.g. a memory map). Raises `ValueError` naming the dtype and the fix.
+
+    >>> check_real_dtype(np.zeros((3, 2)), "x")
+    >>> try:
+    ...     check_real_dtype(np.array(["a", "b"]), "y", "targets")
+    ... except ValueError as error:
+    ...     print(str(error)[:38])
+    y must hold real numbers, got dtype <U
+    """
+    dtype = np.asarray(array[:1]).dtype
+    if dtype.kind not in "biuf":
+        raise ValueError(
+            f"{name} must hold real numbers, got dtype {dtype}; convert the "
+            f"{what} to numbers (e.g. {name}.astype('float32')) first."
+        )
+
+
 HEADS = ("softmax", "cosine")
 
 
 def check_head(head, scale, margin):
     """`(head, scale, margin)` checked, or a ValueError naming the fix."""
-    if head not in HEADS:
+    if not isinstance(head, str) or head not in HEADS:
         raise ValueError(
             f"head must be one of {HEADS}, got {head!r}; pass head='cosine' "
             "for a normalised softmax or head='softmax' for plain logits."

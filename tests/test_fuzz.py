@@ -15,13 +15,20 @@ import contextlib
 import io
 import math
 import signal
+import warnings
+from functools import cache
 
+import keras
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kdpemb import privacy
+from kdpemb.callbacks import PrivacyBudget, RecallAtFAR
+from kdpemb.data import PoissonBatches, PoissonIndices, VirtualClients
 from kdpemb.metrics import recall_at_far
+from kdpemb.models import DPModel, FedEmbModel, LastLayerDPClassifier
 
 
 def fuzz(max_examples):
@@ -600,3 +607,708 @@ def test_cli_good_values():
     status, output = run_cli(argv)
     assert status in (0, None), output
     assert "epsilon" in output
+
+
+# Data: VirtualClients, PoissonIndices, PoissonBatches -----------------------
+
+USERS, PER_USER, IDENTITIES = 8, 3, 4
+VC_IMAGES = np.random.default_rng(0).normal(size=(USERS * PER_USER, 4, 4, 1))
+VC_LABELS = np.arange(USERS * PER_USER) % IDENTITIES
+VC_USERS = np.repeat(np.arange(USERS), PER_USER)
+VC_GOOD = {"clients_per_round": 2, "users_per_client": 2, "batch_size": 2}
+
+
+def virtual_clients(images=VC_IMAGES, labels=VC_LABELS, user_ids=VC_USERS, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # A fixed seed, a derived P.
+        return VirtualClients(images, labels, user_ids, **{**VC_GOOD, **kwargs})
+
+
+VC_ARG_BAD = {
+    "clients_per_round": st.one_of(bad_positive_real(), st.floats(4.01, 1e300)),
+    "users_per_client": st.one_of(bad_positive_int(), st.integers(USERS + 1)),
+    "sampling": bad_choice(),
+    "local_steps": bad_positive_int(),
+    "batch_size": bad_positive_int(),
+    "max_examples_per_client": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None), st.integers(3, 10**9)
+    ),
+    "max_clients_per_round": bad_positive_int().filter(lambda v: v is not None),
+    "rounds_per_epoch": bad_positive_int().filter(lambda v: v is not None),
+    "num_clients": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None),
+        st.integers(USERS + 1, 10**12),
+    ),
+    "num_classes": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None),
+        st.integers(-5, IDENTITIES - 1),
+    ),
+    "seed": st.one_of(
+        NOT_NUMBERS.filter(lambda v: v is not None),
+        NON_FINITE,
+        BOOLS,
+        st.integers(max_value=-1),
+        st.integers(min_value=2**128),
+        st.floats(0, 10),
+    ),
+    "workers": bad_positive_int().filter(lambda v: v is not None),
+    "max_queue_size": bad_positive_int(),
+    "client_order": bad_choice(),
+}
+
+
+@fuzz(25)
+@given(st.data())
+def test_virtual_clients_good(data):
+    k = data.draw(st.integers(1, USERS))
+    pool = -(-USERS // k)
+    sampling = data.draw(st.sampled_from(["poisson", "fixed", "epochs"]))
+    clients = (
+        data.draw(st.integers(1, pool))
+        if sampling == "fixed"
+        else data.draw(st.floats(1e-300, 1.0)) * pool
+    )
+    if sampling == "epochs":
+        clients = max(clients, 1.0)
+    kwargs = {
+        "users_per_client": k,
+        "clients_per_round": clients,
+        "sampling": sampling,
+        "local_steps": data.draw(st.integers(1, 4)),
+        "batch_size": data.draw(st.integers(1, 8)),
+        "seed": data.draw(st.integers(0, 2**128 - 1)),
+    }
+    if k == 1 and sampling == "epochs":
+        kwargs["rounds_per_epoch"] = math.ceil(pool / clients)
+        kwargs["clients_per_round"] = None
+    if sampling == "epochs":
+        kwargs["workers"] = 1
+    else:  # The default floor(P / M) may be 1e300 rounds: refused (FOUND).
+        kwargs["rounds_per_epoch"] = data.draw(st.integers(1, 10**12))
+    with time_limit():
+        clients = virtual_clients(**kwargs)
+        element = clients.round(data.draw(st.integers(0, len(clients) - 1)))
+    assert element["images"].shape[1:3] == (kwargs["local_steps"], kwargs["batch_size"])
+    assert element["client_mask"].sum() <= clients.max_clients_per_round
+
+
+@fuzz(60)
+@given(st.data())
+def test_virtual_clients_arguments(data):
+    name = data.draw(st.sampled_from(sorted(VC_ARG_BAD)))
+    value = data.draw(VC_ARG_BAD[name])
+    rejects(lambda: virtual_clients(seed=0, **{name: value}), name)
+
+
+def bad_images(data, n=USERS * PER_USER):
+    """Images that are not finite numbers of shape (N, H, W, C)."""
+    kind = data.draw(st.sampled_from(["non_finite", "rank", "dtype", "empty"]))
+    images = VC_IMAGES.copy()
+    if kind == "non_finite":
+        images[data.draw(st.integers(0, n - 1)), 0, 0, 0] = data.draw(NON_FINITE)
+    elif kind == "rank":
+        shape = data.draw(st.sampled_from([(n,), (n, 4, 4, 1, 1), (n, 16), ()]))
+        images = np.zeros(shape)
+    elif kind == "dtype":
+        images = images.astype(data.draw(st.sampled_from([complex, object, "U3"])))
+    else:
+        images = images[:0]
+    return images
+
+
+def bad_labels(data, n, num_classes=None):
+    """Labels that are not n whole numbers in [0, num_classes)."""
+    kind = data.draw(
+        st.sampled_from(
+            ["negative", "fraction", "non_finite", "dtype", "length"]
+            + (["range"] if num_classes else [])
+        )
+    )
+    labels = np.arange(n) % 2
+    i = data.draw(st.integers(0, n - 1))
+    if kind == "negative":
+        labels[i] = data.draw(st.integers(max_value=-1).filter(lambda v: v > -(2**62)))
+    elif kind == "fraction":
+        labels = labels + data.draw(st.sampled_from([0.5, 1e-9, -0.25]))
+    elif kind == "non_finite":
+        labels = labels.astype(float)
+        labels[i] = data.draw(NON_FINITE)
+    elif kind == "dtype":
+        labels = np.array(
+            data.draw(st.sampled_from([[None] * n, [1j] * n, ["a"] * n, [{}] * n]))
+        )
+    elif kind == "length":
+        labels = labels[: data.draw(st.integers(0, n - 1))]
+    else:
+        labels[i] = data.draw(st.integers(num_classes, 2**62))
+    return labels
+
+
+@fuzz(40)
+@given(st.data())
+def test_virtual_clients_data(data):
+    n = USERS * PER_USER
+    field = data.draw(st.sampled_from(["images", "labels", "user_ids"]))
+    if field == "images":
+        images = bad_images(data)
+        rejects(lambda: virtual_clients(images, seed=0), "images")
+    elif field == "labels":
+        labels = bad_labels(data, n, num_classes=IDENTITIES)
+        rejects(
+            lambda: virtual_clients(labels=labels, num_classes=IDENTITIES, seed=0),
+            "labels",
+            "num_classes",
+        )
+    else:
+        user_ids = data.draw(
+            st.sampled_from(
+                [
+                    VC_USERS[:-1],
+                    VC_USERS + 0.5,
+                    np.full(n, NAN),
+                    np.full(n, 1j),
+                    np.full(n, None),
+                    VC_USERS.reshape(-1, 1),
+                    np.zeros(0),
+                ]
+            )
+        )
+        rejects(lambda: virtual_clients(user_ids=user_ids, seed=0), "user_ids")
+
+
+@st.composite
+def good_poisson_indices(draw):
+    n = draw(st.integers(1, 10**6))
+    sampling = draw(st.sampled_from(["poisson", "fixed"]))
+    batch = draw(st.none() | st.integers(1, min(n, 10**4)))
+    if batch is not None and sampling == "poisson":
+        batch = draw(st.just(batch) | st.floats(1e-3, 1.0).map(lambda f: f * batch))
+    return {
+        "num_examples": n,
+        "batch_size": batch,
+        "steps": draw(st.integers(1, 10**6)),
+        "seed": draw(st.none() | st.integers(0, 2**64)),
+        "padding": draw(st.sampled_from(["bound", "multiple", "none"])),
+        "sampling": sampling,
+        "multiple_of": draw(st.integers(1, 64)),
+    }
+
+
+@fuzz(60)
+@given(good_poisson_indices(), st.data())
+def test_poisson_indices(kwargs, data):
+    with time_limit():
+        batches = PoissonIndices(**kwargs)
+        indices, mask = batches[data.draw(st.integers(0, kwargs["steps"] - 1))]
+    n, chosen = kwargs["num_examples"], indices[mask == 1]
+    assert len(batches) == kwargs["steps"] and indices.shape == mask.shape
+    assert np.all(np.diff(chosen) > 0) and (chosen.size == 0 or chosen[-1] < n)
+    bad = {
+        "num_examples": bad_positive_int(),
+        "batch_size": st.one_of(
+            bad_positive_real().filter(lambda v: v is not None),
+            st.floats(n * (1 + 1e-9) + 1, 1e300),
+        ),
+        "steps": bad_positive_int(),
+        "seed": st.one_of(
+            NOT_NUMBERS.filter(lambda v: v is not None),
+            NON_FINITE,
+            BOOLS,
+            st.integers(max_value=-1),
+            st.floats(0, 10),
+        ),
+        "padding": bad_choice(),
+        "sampling": bad_choice(),
+        "multiple_of": bad_positive_int(),
+    }
+    name = data.draw(st.sampled_from(sorted(bad)))
+    value = data.draw(bad[name])
+    if name == "num_examples" and kwargs["batch_size"] is not None:
+        value = value if value is not None else 0
+    names = (name, "batch_size") if name == "num_examples" else (name,)
+    rejects(lambda: PoissonIndices(**{**kwargs, name: value}), *names)
+
+
+@fuzz(20)
+@given(st.data())
+def test_poisson_indices_fixed_fraction(data):
+    batch = data.draw(st.floats(1.0, 99.0).filter(lambda v: v != int(v)))
+    rejects(lambda: PoissonIndices(100, batch, 1, sampling="fixed"), "batch_size")
+
+
+@fuzz(20)
+@given(st.data())
+def test_poisson_batches(data):
+    features, labels = np.zeros((10, 3)), np.zeros(10, int)
+    batches = PoissonBatches(features, labels, 5, 2, seed=0)
+    assert batches[1][0].shape[1:] == (3,)
+    kind = data.draw(st.sampled_from(["length", "not_array", "empty"]))
+    if kind == "length":
+        labels = labels[: data.draw(st.integers(0, 9))]
+    elif kind == "not_array":
+        features = data.draw(st.sampled_from([None, 3, 1.5, object()]))
+    else:
+        features, labels = features[:0], labels[:0]
+    rejects(
+        lambda: PoissonBatches(features, labels, 5, 2, seed=0),
+        "features",
+        "labels",
+    )
+
+
+# Model constructors ----------------------------------------------------------
+
+
+def quietly(call):
+    """`call()` with kdpemb's warnings (a fixed seed, ...) muted."""
+
+    def wrapped():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return call()
+
+    return wrapped
+
+
+@cache
+def tiny_network(classes=3, dim=4):
+    return keras.Sequential([keras.Input((dim,)), keras.layers.Dense(classes)])
+
+
+def bad_seed():
+    return st.one_of(
+        NOT_NUMBERS.filter(lambda v: v is not None),
+        NON_FINITE,
+        BOOLS,
+        st.integers(max_value=-1),
+        st.integers(min_value=2**31),
+        st.floats(0, 10),
+    )
+
+
+def bad_bool():
+    return st.one_of(NOT_NUMBERS, st.integers(), st.text(max_size=3))
+
+
+def bad_delta_arg():
+    return st.one_of(bad_positive_real(), st.floats(min_value=1.0, allow_nan=False))
+
+
+def bad_noise_multiplier():
+    return st.one_of(
+        bad_non_negative_real().filter(lambda v: v is not None),
+        st.floats(1e-300, 9.9e-7),
+        st.floats(1.01e12, 1e308),
+    )
+
+
+MODEL_COMMON_BAD = {
+    "clip_norm": bad_positive_real().filter(lambda v: v is not None),
+    "noise_multiplier": bad_noise_multiplier(),
+    "delta": bad_delta_arg().filter(lambda v: v is not None),
+    "seed": bad_seed(),
+}
+
+DP_MODEL_BAD = {
+    **MODEL_COMMON_BAD,
+    "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
+    "physical_batch_size": bad_positive_int().filter(lambda v: v is not None),
+    "sampling": bad_choice(),
+    "per_layer_clipping": bad_bool(),
+    "gradient_method": bad_choice(),
+    "network": st.one_of(NOT_NUMBERS, st.integers()),
+}
+
+
+@fuzz(40)
+@given(st.data())
+def test_dp_model_arguments(data):
+    name = data.draw(st.sampled_from(sorted(DP_MODEL_BAD)))
+    kwargs = {"clip_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+    if name == "target_epsilon":
+        kwargs.pop("noise_multiplier")
+    kwargs[name] = data.draw(DP_MODEL_BAD[name])
+    network = kwargs.pop("network", tiny_network())
+    rejects(quietly(lambda: DPModel(network, **kwargs)), name)
+
+
+LAST_LAYER_BAD = {
+    **MODEL_COMMON_BAD,
+    "num_classes": bad_positive_int(),
+    "method": bad_choice(),
+    "feature_clip_norm": bad_positive_real().filter(lambda v: v is not None),
+    "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
+    "head_init": bad_choice(),
+    "l2": st.one_of(
+        NOT_NUMBERS.filter(lambda v: v is not None),
+        NON_FINITE,
+        BOOLS,
+        st.floats(max_value=-1e-300, allow_infinity=False),
+    ),
+    "budget_split": st.one_of(
+        NOT_NUMBERS,
+        NON_FINITE,
+        BOOLS,
+        st.floats(max_value=0.0),
+        st.floats(min_value=1.0),
+    ),
+}
+
+
+@fuzz(40)
+@given(st.data())
+def test_last_layer_arguments(data):
+    name = data.draw(st.sampled_from(sorted(LAST_LAYER_BAD)))
+    kwargs = {"num_classes": 3, "noise_multiplier": 1.0, "delta": 1e-5}
+    if name == "target_epsilon":
+        kwargs.pop("noise_multiplier")
+    if name in ("feature_clip_norm", "l2", "budget_split"):
+        kwargs["method"] = "dp-ls"
+        kwargs["feature_clip_norm"] = 1.0
+    kwargs[name] = data.draw(LAST_LAYER_BAD[name])
+    rejects(quietly(lambda: LastLayerDPClassifier(**kwargs)), name)
+
+
+FEDEMB_BAD = {
+    **MODEL_COMMON_BAD,
+    "embedding_dim": st.one_of(
+        bad_positive_int().filter(lambda v: v is not None), st.just(2.5)
+    ),
+    "num_classes": bad_positive_int().filter(lambda v: v is not None),
+    "aggregation": bad_choice(),
+    "client_optimizer": st.one_of(
+        bad_positive_real().filter(lambda v: v is not None), st.just("sgdd")
+    ),
+    "head_lr_scale": bad_positive_real(),
+    "head": bad_choice(),
+    "head_scale": bad_positive_real(),
+    "head_margin": st.one_of(
+        NOT_NUMBERS, NON_FINITE, st.floats(max_value=-1e-9), st.floats(min_value=1.0)
+    ),
+    "head_init": bad_choice().filter(lambda v: v is not None),
+    "reconstruction_steps": st.one_of(
+        NOT_NUMBERS, NON_FINITE, BOOLS, st.integers(max_value=-1), st.just(1.5)
+    ),
+    "client_parallelism": bad_positive_int().filter(lambda v: v is not None),
+    "noise": bad_choice(),
+    "tree_estimator": bad_choice(),
+    "log_local_loss": bad_bool(),
+    "log_nonfinite_updates": bad_bool(),
+    "backbone": st.one_of(NOT_NUMBERS, st.integers()),
+}
+
+
+@fuzz(40)
+@given(st.data())
+def test_fedemb_arguments(data):
+    name = data.draw(st.sampled_from(sorted(FEDEMB_BAD)))
+    kwargs = {"noise_multiplier": 1.0, "delta": 1e-5}
+    if name == "num_classes":
+        kwargs["aggregation"] = data.draw(st.sampled_from(["full", "partial"]))
+    if name in ("head_margin", "head_init"):
+        kwargs["head"] = "cosine"
+    kwargs[name] = data.draw(FEDEMB_BAD[name])
+    backbone = kwargs.pop("backbone") if name == "backbone" else cached_backbone()
+    rejects(quietly(lambda: FedEmbModel(backbone, **kwargs)), name)
+
+
+@cache
+def cached_backbone():
+    from tests.models import fedemb_reference as ref
+
+    return ref.linear_backbone()
+
+
+# fit inputs ------------------------------------------------------------------
+
+FIT_N, FIT_DIM, FIT_CLASSES = 12, 4, 3
+FIT_X = np.random.default_rng(1).normal(size=(FIT_N, FIT_DIM)).astype("float32")
+FIT_Y = np.arange(FIT_N) % FIT_CLASSES
+
+
+def bad_features(data, n=FIT_N, dim=FIT_DIM, finite=True):
+    """Rows that are not (finite, with `finite`) real vectors of length `dim`."""
+    kinds = ["rank", "dtype", "width"] + (["non_finite"] if finite else [])
+    kind = data.draw(st.sampled_from(kinds))
+    x = FIT_X.copy()
+    if kind == "non_finite":
+        x[data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, dim - 1))] = (
+            data.draw(NON_FINITE)
+        )
+    elif kind == "rank":
+        x = np.zeros(data.draw(st.sampled_from([(n,), (n, dim, 1), (n, 1, dim)])))
+    elif kind == "dtype":
+        x = x.astype(data.draw(st.sampled_from([complex, object, "U3", "S2"])))
+    else:
+        x = np.zeros((n, data.draw(st.sampled_from([1, dim + 1, 0]))))
+    return x
+
+
+@cache
+def dp_model():
+    model = quietly(
+        lambda: DPModel(tiny_network(), noise_multiplier=1.0, delta=1e-3, seed=0)
+    )()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@cache
+def last_layer_model():
+    model = quietly(
+        lambda: LastLayerDPClassifier(
+            FIT_CLASSES, noise_multiplier=1.0, delta=1e-3, seed=0
+        )
+    )()
+    model.build((None, FIT_DIM))  # Features of another width are refused.
+    return model
+
+
+def bad_fit_arguments(data, finite=True):
+    """(x, y, kwargs, names): one bad input of a classifier's `fit`; a
+    non-finite `x` only with `finite` (DPModel leaves such an example out
+    of the clipped sum instead, docs/dp_sgd.md)."""
+    x, y, kwargs = FIT_X, FIT_Y, {"batch_size": 4, "epochs": 1, "verbose": 0}
+    part = data.draw(st.sampled_from(["x", "y", "empty", "batch_size", "epochs"]))
+    if part == "x":
+        names = ("x", "features", "network", "input")
+        return bad_features(data, finite=finite), y, kwargs, names
+    if part == "y":
+        return x, bad_labels(data, FIT_N, FIT_CLASSES), kwargs, ("y", "labels")
+    if part == "empty":
+        return x[:0], y[:0], kwargs, ("x", "features", "empty")
+    value = data.draw(
+        st.one_of(bad_positive_int(), st.integers(FIT_N + 1, 10**12))
+        if part == "batch_size"
+        else bad_positive_int()
+    )
+    if part == "batch_size" and value is None:
+        value = 0  # None: full batches, valid.
+    return x, y, {**kwargs, part: value}, (part,)
+
+
+@fuzz(25)
+@given(st.data())
+def test_dp_model_fit_inputs(data):
+    x, y, kwargs, names = bad_fit_arguments(data, finite=False)
+    model = dp_model()
+    before = int(model.private_steps.value)
+    rejects(quietly(lambda: model.fit(x, y, **kwargs)), *names)
+    assert int(model.private_steps.value) == before
+
+
+@fuzz(25)
+@given(st.data())
+def test_last_layer_fit_inputs(data):
+    x, y, kwargs, names = bad_fit_arguments(data)
+    model = last_layer_model()
+    before = int(model.private_steps.value)
+    rejects(quietly(lambda: model.fit(x, y, **kwargs)), *names)
+    assert int(model.private_steps.value) == before
+
+
+@fuzz(15)
+@given(st.data())
+def test_fedemb_fit_inputs(data):
+    model = quietly(lambda: FedEmbModel(cached_backbone(), noise_multiplier=1.0))()
+    x = data.draw(
+        st.sampled_from(
+            [None, FIT_X, (FIT_X, FIT_Y), {"images": VC_IMAGES}, [VC_IMAGES], 3]
+        )
+    )
+    rejects(lambda: model.fit(x, verbose=0), "VirtualClients", "schedule")
+
+
+def test_fitted_models_stay_usable():
+    """The cached models took no step; good inputs still train."""
+    for model in (dp_model(), last_layer_model()):
+        before = int(model.private_steps.value)
+        quietly(lambda m=model: m.fit(FIT_X, FIT_Y, batch_size=4, verbose=0))()
+        assert int(model.private_steps.value) == before + 3
+
+
+# Callbacks -------------------------------------------------------------------
+
+
+@fuzz(40)
+@given(st.data())
+def test_privacy_budget_arguments(data):
+    bad = {
+        "delta": bad_delta_arg().filter(lambda v: v is not None),
+        "target_epsilon": bad_positive_real().filter(lambda v: v is not None),
+        "accountant": bad_choice(),
+        "value_discretization_interval": st.one_of(
+            bad_positive_real(), st.floats(1.01, 1e308)
+        ),
+    }
+    name = data.draw(st.sampled_from(sorted(bad)))
+    rejects(lambda: PrivacyBudget(**{name: data.draw(bad[name])}), name)
+
+
+@fuzz(40)
+@given(good_embeddings(), st.data())
+def test_recall_at_far_callback_arguments(good, data):
+    images, labels = good
+    bad = {
+        "far": st.one_of(
+            NOT_NUMBERS,
+            NON_FINITE,
+            st.floats(max_value=0.0),
+            st.floats(min_value=1.0, exclude_min=True),
+            st.just([]),
+        ),
+        "every_n_epochs": bad_positive_int(),
+        "batch_size": bad_positive_int(),
+        "pairs": bad_choice(),
+        "in_batch_size": st.one_of(bad_positive_int(), st.just(1)),
+        "data": st.sampled_from(
+            [None, 3, "x", images, (images,), (images, labels[:-1])]
+        ),
+    }
+    name = data.draw(st.sampled_from(sorted(bad)))
+    kwargs = {"data": (images, labels), "far": 0.5}
+    if name == "in_batch_size":
+        kwargs["pairs"] = "in_batch"
+    kwargs[name] = data.draw(bad[name])
+    names = ("data", "labels", "images") if name == "data" else (name,)
+    rejects(lambda: RecallAtFAR(**kwargs), *names)
+
+
+# What the fuzzing found: each input once, with the argument it must name ----
+
+
+def _dp_model_fit(x=FIT_X, y=FIT_Y):
+    return lambda: dp_model().fit(x, y, batch_size=4, verbose=0)
+
+
+def _fedemb(**kwargs):
+    return lambda: FedEmbModel(cached_backbone(), noise_multiplier=1.0, **kwargs)
+
+
+def _last_layer(**kwargs):
+    settings = {"feature_clip_norm": 1.0, "noise_multiplier": 1.0, **kwargs}
+    return lambda: LastLayerDPClassifier(3, "dp-ls", **settings)
+
+
+def _poisson(*args, **kwargs):
+    return lambda: PoissonIndices(*args, **kwargs)
+
+
+FOUND = {  # id: (call, the name its error must hold); the old behaviour.
+    # Accepted; Keras' loader then misbehaves.
+    "vc_workers": (lambda: virtual_clients(workers=-3), "workers"),
+    "vc_queue": (lambda: virtual_clients(max_queue_size=0), "max_queue_size"),
+    # OverflowError: cannot fit 'int' into an index-sized integer (len()).
+    "vc_default_rounds": (
+        lambda: virtual_clients(clients_per_round=1e-300),
+        "clients_per_round",
+    ),
+    "vc_rounds": (lambda: virtual_clients(rounds_per_epoch=2**70), "rounds_per_epoch"),
+    # TypeError: unsupported operand type(s) for /: 'str' and 'int'.
+    "pi_batch_str": (_poisson(1, "1", 1), "batch_size"),
+    # Accepted; the first batch failed in NumPy.
+    "pi_fixed_fraction": (_poisson(100, 58.9, 1, sampling="fixed"), "batch_size"),
+    # ValueError: math domain error.
+    "pi_batch_above_n": (_poisson(100, 500, 1), "batch_size"),
+    # Accepted (no batches, or 2 of "2.5").
+    "pi_steps": (_poisson(100, 5, -1), "steps"),
+    "pi_steps_float": (_poisson(100, 5, 2.5), "steps"),
+    # Accepted; batches of one masked-out row.
+    "pi_no_examples": (_poisson(0, None, 1), "num_examples"),
+    # ZeroDivisionError.
+    "pi_multiple_of": (_poisson(100, 5, 1, multiple_of=0), "multiple_of"),
+    # ValueError from NumPy: expected non-negative integer.
+    "pi_seed": (_poisson(100, 5, 1, seed=-1), "seed"),
+    # Accepted; a gather past the labels at the first batch.
+    "pb_lengths": (
+        lambda: PoissonBatches(np.zeros((10, 3)), np.zeros(0), 5, 2),
+        "labels",
+    ),
+    # TypeError: only 0-dimensional arrays can be converted to Python scalars.
+    "model_seed_array": (_fedemb(seed=np.array([1.0, 2.0])), "seed"),
+    # Accepted, truncated to 2.
+    "model_seed_float": (_fedemb(seed=2.7), "seed"),
+    # JAX: OverflowError (out of bounds for uint32).
+    "model_seed_big": (_fedemb(seed=2**32), "seed"),
+    # Accepted; refused only by a fit.
+    "dp_model_delta": (
+        lambda: DPModel(tiny_network(), noise_multiplier=1.0, delta=NAN),
+        "delta",
+    ),
+    "last_layer_delta": (_last_layer(delta=2.0), "delta"),
+    # TypeError: '<' not supported between instances of 'int' and 'NoneType'.
+    "last_layer_budget_split": (_last_layer(budget_split=None), "budget_split"),
+    # Accepted.
+    "last_layer_l2_inf": (_last_layer(l2=INF), "l2"),
+    "last_layer_l2_bool": (_last_layer(l2=True), "l2"),
+    # Accepted as False.
+    "fedemb_log_bool": (_fedemb(log_nonfinite_updates=None), "log_nonfinite_updates"),
+    # ValueError: The truth value of an array ... is ambiguous.
+    "fedemb_head_array": (_fedemb(head=np.array([1.0, 2.0])), "head"),
+    # Accepted, truncated to 2.
+    "fedemb_embedding_dim_float": (_fedemb(embedding_dim=2.5), "embedding_dim"),
+    # Keras: invalid value for `units`.
+    "fedemb_embedding_dim_negative": (_fedemb(embedding_dim=-3), "embedding_dim"),
+    # Accepted.
+    "fedemb_num_classes": (_fedemb(num_classes=-5), "num_classes"),
+    # The message named batch_size.
+    "recall_callback_in_batch_size": (
+        lambda: RecallAtFAR(
+            (np.zeros((6, 2)), np.arange(6) % 2),
+            far=0.5,
+            pairs="in_batch",
+            in_batch_size=1,
+        ),
+        "in_batch_size",
+    ),
+    # OverflowError: math range error.
+    "accountant_interval_huge": (
+        lambda: privacy.Accountant(
+            MECHANISMS["dp_sgd"], "pld", value_discretization_interval=1e300
+        ),
+        "value_discretization_interval",
+    ),
+    # Accepted: ε = 599 where the default grid gives 0.7.
+    "accountant_interval_coarse": (
+        lambda: privacy.Accountant(
+            MECHANISMS["dp_sgd"], "pld", value_discretization_interval=100.0
+        ),
+        "value_discretization_interval",
+    ),
+    # Never answered (a grid of about 1e12 points).
+    "accountant_tiny_noise": (
+        lambda: privacy.Accountant(
+            MECHANISMS["dp_sgd"].with_noise_multiplier(1e-6), "pld"
+        ),
+        "noise_multiplier",
+    ),
+    # TensorFlow: InvalidArgumentError in the graph; JAX: trained silently.
+    "dp_model_fit_label_range": (_dp_model_fit(y=np.full(FIT_N, 7)), "num_classes"),
+    "dp_model_fit_label_negative": (_dp_model_fit(y=-FIT_Y - 1), "labels"),
+    # TensorFlow: Invalid dtype: str32; JAX: TypeError from jit.
+    "dp_model_fit_str_y": (_dp_model_fit(y=np.array(["a"] * FIT_N)), "y"),
+    # Backend traceback (MatMul / dot_general shapes).
+    "last_layer_fit_width": (
+        lambda: last_layer_model().fit(np.ones((FIT_N, 1)), FIT_Y, verbose=0),
+        "features",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOUND))
+def test_found_by_fuzzing(case):
+    call, name = FOUND[case]
+    models = (dp_model(), last_layer_model())
+    before = [int(model.private_steps.value) for model in models]
+    rejects(quietly(call), name)
+    assert [int(model.private_steps.value) for model in models] == before
+
+
+def test_tiny_noise_multiplier_answers():
+    """One sampled step of z = 0.01 used to build a PLD of ~1e8 points."""
+    mechanism = privacy.dp_sgd(0.01, batch_size=100, num_examples=10_000)
+    with time_limit(20):
+        accountant = privacy.Accountant(mechanism, "pld")
+        eps = accountant.epsilon(3, 1e-6)
+    assert 1e3 < eps < INF
+    assert accountant.value_discretization_interval_used > 1e-4

@@ -52,9 +52,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         accountant: str or None. "pld" (tight) or "rdp" (fast); None
             (default): "pld" where it models the model's mechanism, else
             "rdp" (fixed-size sampling).
-        value_discretization_interval: float. PLD resolution. 1e-3 makes
-            each epoch's ε about ten times cheaper and at most ~0.5% larger.
-            Defaults to 1e-4.
+        value_discretization_interval: float in (0, 1]. PLD resolution.
+            1e-3 makes each epoch's ε about ten times cheaper and at most
+            ~0.5% larger. Defaults to 1e-4 (see `kdpemb.privacy.Accountant`).
         verbose: int. 1 prints when training stops for the budget and the
             final statement; 0 is silent.
 
@@ -99,13 +99,17 @@ class PrivacyBudget(keras.callbacks.Callback):
             if target_epsilon is None
             else validation.check_target_epsilon(target_epsilon)
         )
-        if accountant is not None and accountant not in ACCOUNTANTS:
+        if accountant is not None and (
+            not isinstance(accountant, str) or accountant not in ACCOUNTANTS
+        ):
             raise ValueError(
                 f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}."
             )
         self.accountant = accountant
-        self.value_discretization_interval = validation.check_positive(
-            value_discretization_interval, "value_discretization_interval"
+        self.value_discretization_interval = (
+            validation.check_value_discretization_interval(
+                value_discretization_interval
+            )
         )
         self.verbose = verbose
         self.epsilon = None

@@ -82,7 +82,7 @@ class RecallAtFAR(keras.callbacks.Callback):
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
             )
         if pairs == "in_batch":
-            verification._check_in_batch_size(in_batch_size)
+            verification._check_in_batch_size(in_batch_size, "in_batch_size")
         self.data = data
         self._input = inputs.open_input(
             data,

@@ -23,12 +23,14 @@ to the device); `PoissonBatches` gathers the rows on the host.
 """
 
 import math
+import numbers
 import secrets
 import threading
 
 import keras
 import numpy as np
 
+from kdpemb import _validation as validation
 from kdpemb.data.round_size import max_clients_per_round
 
 PADDINGS = ("bound", "multiple", "none")
@@ -78,15 +80,21 @@ class PoissonIndices(keras.utils.PyDataset):
         multiple_of=1,
     ):
         super().__init__()
-        if padding not in PADDINGS:
-            raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}.")
-        if sampling not in SAMPLINGS:
-            raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}.")
-        self.padding, self.sampling = padding, sampling
-        self.multiple_of = int(multiple_of)
-        self.num_examples = int(num_examples)
+        self.padding = validation.check_choice(padding, PADDINGS, "padding")
+        self.sampling = validation.check_choice(sampling, SAMPLINGS, "sampling")
+        self.multiple_of = validation.check_positive_int(multiple_of, "multiple_of")
+        self.num_examples = validation.check_positive_int(
+            num_examples, "num_examples", "There must be at least one example."
+        )
+        if batch_size is not None:
+            batch_size = validation.check_sample_size(
+                batch_size, self.num_examples, "batch_size", sampling
+            )
+            if sampling == "fixed":
+                batch_size = int(batch_size)
         self.batch_size = batch_size
-        self.steps = int(steps)
+        self.steps = validation.check_positive_int(steps, "steps")
+        seed = _check_seed(seed)
         self.index_dtype = np.dtype(
             np.int32 if self.num_examples <= np.iinfo(np.int32).max else np.int64
         )
@@ -163,6 +171,23 @@ class PoissonIndices(keras.utils.PyDataset):
             return self._rng.choice(self.num_examples, size, replace=False)
 
 
+def _check_seed(seed):
+    """None, an int >= 0, or a sequence of them (NumPy's entropy)."""
+    parts = seed if isinstance(seed, (list, tuple)) else [seed]
+    if seed is None or (
+        parts
+        and all(
+            isinstance(p, numbers.Integral) and not isinstance(p, bool) and p >= 0
+            for p in parts
+        )
+    ):
+        return seed
+    raise ValueError(
+        f"seed must be None (OS entropy) or an int >= 0, got {seed!r}. A fixed "
+        "seed makes the sampling predictable: use it for tests only."
+    )
+
+
 class PoissonBatches(PoissonIndices):
     """`steps` batches `(features, labels, mask)`, each example with prob. q.
 
@@ -187,6 +212,19 @@ class PoissonBatches(PoissonIndices):
     def __init__(
         self, features, labels, batch_size, steps, seed=None, padding="bound", **kwargs
     ):
+        for name, rows in (("features", features), ("labels", labels)):
+            if not hasattr(rows, "__len__") or not hasattr(rows, "__getitem__"):
+                raise ValueError(
+                    f"{name} must be an array with one row per example, got "
+                    f"{type(rows).__name__}."
+                )
+        if len(features) != len(labels):
+            raise ValueError(
+                f"features has {len(features)} rows but labels has {len(labels)}; "
+                "pass one label per example."
+            )
+        if not len(features):
+            raise ValueError("features is empty: there are no examples to sample.")
         super().__init__(
             len(features), batch_size, steps, seed=seed, padding=padding, **kwargs
         )

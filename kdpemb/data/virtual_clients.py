@@ -35,6 +35,8 @@ _ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM, _LAYOUT_ID_STREAM = 1, 2, 3, 4
 # in which round) it is from, and its position in that epoch.
 _POSITION_KEYS = ("epoch_id", "round_in_epoch")
 _MAX_SEED = 2**128
+# An epoch's length is a Python (and tf.data) integer: at most 2**53 rounds.
+MAX_ROUNDS_PER_EPOCH = 2**53
 
 
 class ClientPlan(NamedTuple):
@@ -237,6 +239,8 @@ class VirtualClients(keras.utils.PyDataset):
     ):
         if workers is None:
             workers = 1 if sampling == "epochs" else 2
+        workers = validation.check_positive_int(workers, "workers")
+        max_queue_size = validation.check_positive_int(max_queue_size, "max_queue_size")
         super().__init__(workers=workers, max_queue_size=max_queue_size)
         images, labels, user_ids, num_classes = sources.read_source(
             images, labels, user_ids, num_classes=num_classes
@@ -256,7 +260,7 @@ class VirtualClients(keras.utils.PyDataset):
                 f"{self.num_users} users in the data. Use at most "
                 f"{self.num_users}, or add users."
             )
-        if sampling not in _SAMPLINGS:
+        if not isinstance(sampling, str) or sampling not in _SAMPLINGS:
             raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}.")
         self.sampling = sampling
         self.client_order = self._check_client_order(client_order)
@@ -306,13 +310,27 @@ class VirtualClients(keras.utils.PyDataset):
             max_clients_per_round
         )
         if self.sampling != "epochs":
-            if rounds_per_epoch is None:
+            given = rounds_per_epoch is not None
+            if not given:
                 rounds_per_epoch = max(
                     1, math.floor(self.num_clients / self.clients_per_round)
                 )
             self.rounds_per_epoch = validation.check_positive_int(
                 rounds_per_epoch, "rounds_per_epoch"
             )
+            if self.rounds_per_epoch > MAX_ROUNDS_PER_EPOCH:
+                what = (
+                    f"rounds_per_epoch={self.rounds_per_epoch}"
+                    if given
+                    else f"clients_per_round={self.clients_per_round:g} makes "
+                    f"an epoch of floor(P / M) = {self.rounds_per_epoch:.3g} "
+                    "rounds, which"
+                )
+                raise ValueError(
+                    f"{what} is more than the {MAX_ROUNDS_PER_EPOCH} rounds an "
+                    "epoch (len() of this dataset) can hold. Pass a smaller "
+                    "rounds_per_epoch (and fit with epochs)."
+                )
         # The last epochs' layouts (`_epoch_layout`), shared by the threads
         # that prepare rounds.
         self._layout_lock = threading.Lock()
@@ -417,7 +435,7 @@ class VirtualClients(keras.utils.PyDataset):
             return None
         if order is None:
             return "shuffled"
-        if order not in _CLIENT_ORDERS:
+        if not isinstance(order, str) or order not in _CLIENT_ORDERS:
             raise ValueError(
                 f"client_order must be one of {_CLIENT_ORDERS}, got {order!r}."
             )

@@ -115,13 +115,13 @@ def _pair_counts(labels):
     return genuine, n * (n - 1) // 2 - genuine
 
 
-def _check_in_batch_size(batch_size):
+def _check_in_batch_size(batch_size, name="batch_size"):
     if (
         not isinstance(batch_size, numbers.Integral)
         or isinstance(batch_size, bool)
         or batch_size < 2
     ):
-        raise ValueError(f"batch_size must be an int >= 2, got {batch_size!r}.")
+        raise ValueError(f"{name} must be an int >= 2, got {batch_size!r}.")
     return int(batch_size)
 
 
@@ -186,7 +186,7 @@ def check_labels(labels, far=1e-3, pairs="all", batch_size=256):
     No genuine pair: every identity has a single embedding
     """
     fars = _check_far(far)
-    if pairs not in PAIRS:
+    if not isinstance(pairs, str) or pairs not in PAIRS:
         raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
     if pairs == "in_batch":
         batch_size = _check_in_batch_size(batch_size)

@@ -150,13 +150,13 @@ class DPModel(FrozenSettings, keras.Model):
             calibrated_noise_multiplier,
         )  # fmt: skip
         self._fixed_noise = noise_multiplier is not None
-        self.delta = delta
+        self.delta = None if delta is None else validation.check_delta(delta)
         if physical_batch_size is not None:
             physical_batch_size = validation.check_positive_int(
                 physical_batch_size, "physical_batch_size"
             )
         self.physical_batch_size = physical_batch_size
-        if sampling not in SAMPLINGS:
+        if not isinstance(sampling, str) or sampling not in SAMPLINGS:
             raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}.")
         self.sampling = sampling
         if not isinstance(per_layer_clipping, bool):
@@ -164,7 +164,7 @@ class DPModel(FrozenSettings, keras.Model):
                 f"per_layer_clipping must be True or False, got {per_layer_clipping!r}."
             )
         self.per_layer_clipping = per_layer_clipping
-        if gradient_method not in MODES:
+        if not isinstance(gradient_method, str) or gradient_method not in MODES:
             raise ValueError(
                 f"gradient_method must be one of {MODES}, got {gradient_method!r}."
             )
@@ -239,6 +239,7 @@ class DPModel(FrozenSettings, keras.Model):
             if isinstance(loss_object, keras.losses.Loss)
             else loss_object
         )
+        self._class_labels = _takes_class_labels(loss_object)
         kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
         self._engine = None
@@ -275,6 +276,12 @@ class DPModel(FrozenSettings, keras.Model):
         if not self.compiled:
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
         x, y = _check_data(x, y)
+        if getattr(self, "_class_labels", False):
+            validation.check_labels(
+                y.reshape(len(y)) if y.shape[1:] == (1,) else y,
+                num_examples=len(x),
+                num_classes=_num_outputs(self.network),
+            )
         inputs.check_input_shape(
             inputs.model_input_shape(self.network),
             np.shape(x[:1]) if not hasattr(x, "shape") else tuple(x.shape),
@@ -639,7 +646,29 @@ def _check_data(x, y):
         raise ValueError(f"x has {len(x)} rows but y has {len(y)}.")
     if not len(x):
         raise ValueError("x is empty.")
-    return np.asarray(x) if isinstance(x, list) else x, np.asarray(y)
+    x, y = np.asarray(x) if isinstance(x, list) else x, np.asarray(y)
+    # Only the dtypes: a non-finite example is left out of the clipped sum
+    # inside the step (docs/dp_sgd.md), not refused by a look at the data.
+    validation.check_real_dtype(x, "x", "inputs")
+    validation.check_real_dtype(y, "y", "targets")
+    return x, y
+
+
+def _takes_class_labels(loss):
+    """Whether `loss` reads `y` as class indices (sparse cross-entropy
+    without an `ignore_class`)."""
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return loss.ignore_class is None
+    return loss is keras.losses.sparse_categorical_crossentropy
+
+
+def _num_outputs(network):
+    """The width of the network's output (its class count), or None."""
+    try:
+        width = network.outputs[0].shape[-1]
+    except (AttributeError, IndexError, ValueError):
+        return None
+    return None if width is None else int(width)
 
 
 def _add_weight_penalties(network, params, grads):

@@ -336,9 +336,12 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if noise not in NOISES:
+        if not isinstance(noise, str) or noise not in NOISES:
             raise ValueError(f"noise must be one of {NOISES}, got {noise!r}.")
-        if tree_estimator not in tree_noise.ESTIMATORS:
+        if (
+            not isinstance(tree_estimator, str)
+            or tree_estimator not in tree_noise.ESTIMATORS
+        ):
             raise ValueError(
                 f"tree_estimator must be one of {tree_noise.ESTIMATORS}, got "
                 f"{tree_estimator!r}."
@@ -357,7 +360,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.noise = noise
         self.tree_estimator = tree_estimator
         self.tree_open_noise = None
-        if aggregation not in AGGREGATIONS:
+        if not isinstance(aggregation, str) or aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}."
             )
@@ -366,7 +369,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         )
         if head_init is None:
             head_init = "random" if head == "cosine" else "zeros"
-        if head_init not in HEAD_INITS:
+        if not isinstance(head_init, str) or head_init not in HEAD_INITS:
             raise ValueError(
                 f"head_init must be one of {HEAD_INITS}, got {head_init!r}."
             )
@@ -414,15 +417,25 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 client_parallelism, "client_parallelism"
             )
         self.client_parallelism = client_parallelism
-        self.log_local_loss = bool(log_local_loss)
-        self.log_nonfinite_updates = bool(log_nonfinite_updates)
+        self.log_local_loss = validation.check_bool(log_local_loss, "log_local_loss")
+        self.log_nonfinite_updates = validation.check_bool(
+            log_nonfinite_updates, "log_nonfinite_updates"
+        )
         self._schedule = None
         if schedule is not None:
             self._adopt_schedule(_as_schedule(schedule))
 
+        if embedding_dim is not None:
+            embedding_dim = validation.check_positive_int(
+                embedding_dim,
+                "embedding_dim",
+                "It is the width of the embedding (None: the backbone's output).",
+            )
+        if num_classes is not None:
+            num_classes = validation.check_positive_int(num_classes, "num_classes")
         backbone_checks.check_backbone(backbone)
         output_dim = _output_dim(backbone)
-        if embedding_dim is not None and int(embedding_dim) != output_dim:
+        if embedding_dim is not None and embedding_dim != output_dim:
             backbone = keras.Sequential(
                 [backbone, keras.layers.Dense(int(embedding_dim), name="projection")],
                 name=f"{backbone.name}_embedding",

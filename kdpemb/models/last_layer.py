@@ -16,6 +16,7 @@ This module is the front: settings, the schedule fixed by the first
 `fit`, the privacy budget of a target ε, saving and prediction.
 """
 
+import math
 import secrets
 import warnings
 
@@ -168,7 +169,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     ):
         super().__init__(**kwargs)
         self.num_classes = validation.check_positive_int(num_classes, "num_classes")
-        if method not in METHODS:
+        if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.method = method
         method_class = METHOD_CLASSES[method]
@@ -191,7 +192,10 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             if feature_clip_norm is None
             else validation.check_positive(feature_clip_norm, "feature_clip_norm")
         )
-        privacy_plan.check_noise_or_target(noise_multiplier, target_epsilon, delta)
+        target_epsilon = privacy_plan.check_noise_or_target(
+            noise_multiplier, target_epsilon, delta
+        )
+        delta = None if delta is None else validation.check_delta(delta)
         self.noise_multiplier = (
             None
             if noise_multiplier is None
@@ -199,16 +203,22 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         )
         self.target_epsilon = target_epsilon
         self.delta = delta
-        if head_init not in HEAD_INITS:
+        if not isinstance(head_init, str) or head_init not in HEAD_INITS:
             raise ValueError(
                 f"head_init must be one of {HEAD_INITS}, got {head_init!r}."
             )
         self.head_init = head_init
-        if l2 is not None and not (isinstance(l2, (int, float)) and l2 >= 0):
-            raise ValueError(f"l2 must be None or a float >= 0, got {l2!r}.")
-        self.l2 = l2
-        if not 0 < budget_split < 1:
-            raise ValueError(f"budget_split must be in (0, 1), got {budget_split!r}.")
+        if l2 is not None and not (
+            validation.is_real(l2) and math.isfinite(l2) and l2 >= 0
+        ):
+            raise ValueError(f"l2 must be None or a finite float >= 0, got {l2!r}.")
+        self.l2 = None if l2 is None else float(l2)
+        if not (validation.is_real(budget_split) and 0 < budget_split < 1):
+            raise ValueError(
+                f"budget_split must be a float in (0, 1), got {budget_split!r}: the "
+                "share of each step's budget spent on the second-order statistic "
+                "(e.g. 0.5)."
+            )
         self.budget_split = float(budget_split)
         self.seed = seed
         # Fixed by the first fit; later fits must keep N and B.
@@ -224,7 +234,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             clip_norm=self.clip_norm,
             feature_clip_norm=self.feature_clip_norm,
             budget_split=self.budget_split,
-            l2=l2,
+            l2=self.l2,
         )
         self.use_bias = self._method.use_bias
         self.head = keras.layers.Dense(
@@ -449,6 +459,12 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 )
         last_layer_inputs.check_single_device()
         features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
+        if self.built and features.shape[1] != self.head.kernel.shape[0]:
+            raise ValueError(
+                f"features have {features.shape[1]} columns but this head was "
+                f"built for {self.head.kernel.shape[0]}; pass features of the "
+                "backbone it was trained on, or build a new LastLayerDPClassifier."
+            )
         if self._method.clips_gradients:  # The noise is z · clip_norm.
             scale, scale_name = self.clip_norm, "clip_norm"
         else:

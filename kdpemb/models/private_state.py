@@ -35,6 +35,7 @@ import warnings
 
 import keras
 
+from kdpemb import _validation as validation
 from kdpemb.errors import ReproducibleNoiseWarning
 from kdpemb.privacy import gaussian_sum
 
@@ -74,6 +75,7 @@ def noise_seed_generators(seed, names, owner):
     Returns:
         list of `keras.random.SeedGenerator`.
     """
+    seed = validation.check_seed(seed)
     if seed is not None:
         warnings.warn(
             f"{owner}(seed={seed!r}) fixes the DP noise and sampling: anyone "

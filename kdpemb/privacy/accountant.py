@@ -26,6 +26,7 @@ import math
 
 import dp_accounting as dpa
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism as loss_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from kdpemb import _validation as validation
@@ -136,9 +137,16 @@ class Accountant:
             `accountant=` argument of every other kdpemb function. None
             (default): "pld" where it models the mechanism, else "rdp"
             (fixed-size sampling).
-        value_discretization_interval: float. PLD resolution; smaller is
-            tighter and slower. Defaults to 1e-4. Unused where the run is
-            one Gaussian (no sampled step), whose ε is exact.
+        value_discretization_interval: float in (0, 1]. PLD resolution;
+            smaller is tighter and slower. Defaults to 1e-4. Unused where
+            the run is one Gaussian (no sampled step), whose ε is exact.
+            Where one step's privacy loss spans more than `MAX_PLD_POINTS`
+            steps of it (at 1e-4: noise multipliers below about 0.2-0.3,
+            where one step's ε is above about 10) the grid is coarsened to
+            span / MAX_PLD_POINTS, so that the accountant answers in
+            seconds, not hours; ε stays an upper bound
+            (`value_discretization_interval_used`). A span too wide for a
+            grid of 1 (z around 1e-3 and below) raises ValueError.
         rdp_orders: sequence of float or None. RDP orders; defaults to
             dp-accounting's.
 
@@ -174,9 +182,7 @@ class Accountant:
             )
         self.mechanism = mechanism
         self.name = resolve_accountant(mechanism, accountant)
-        validation.check_positive(
-            value_discretization_interval, "value_discretization_interval"
-        )
+        validation.check_value_discretization_interval(value_discretization_interval)
         self._check_supported(rdp_orders, value_discretization_interval)
         if self.name == "pld":
             self._impl = _PldComposer(mechanism, value_discretization_interval)
@@ -202,6 +208,13 @@ class Accountant:
         raise UnsupportedMechanismError(
             _unsupported_message(self.mechanism, self.name, detail)
         )
+
+    @property
+    def value_discretization_interval_used(self):
+        """The PLD grid step of the last answer (None for RDP or exact ε)."""
+        if isinstance(self._impl, _PldComposer) and not self._impl.exact:
+            return self._impl.interval
+        return None
 
     @property
     def exact(self):
@@ -392,6 +405,31 @@ _GAUSSIAN_SENSITIVITY = {
 }
 
 
+# The largest grid of one step's privacy loss that a PLD is built on:
+# dp-accounting takes about 2 µs a point and side (add, remove), so 2**19
+# points cost about two seconds. At the default grid of 1e-4 a step of
+# noise multiplier 0.3 and sampling rate 0.01 spans 3.3e5 points, one of
+# 0.1 1.4e6, and one of 0.01 about 1e8 (hours).
+MAX_PLD_POINTS = 2**19
+
+
+def _loss_span(noise_multiplier, sampling_prob, relation):
+    """Width of the privacy loss range of one (sampled) Gaussian step, as
+    dp-accounting's connect-the-dots PLD covers it (both adjacency sides)."""
+    sides = (
+        (loss_lib.AdjacencyType.REPLACE,)
+        if relation == Relation.REPLACE_ONE
+        else (loss_lib.AdjacencyType.ADD, loss_lib.AdjacencyType.REMOVE)
+    )
+    span = 0.0
+    for side in sides:
+        bounds = loss_lib.GaussianPrivacyLoss(
+            noise_multiplier, sampling_prob=sampling_prob, adjacency_type=side
+        ).connect_dots_bounds()
+        span = max(span, bounds.epsilon_upper - bounds.epsilon_lower)
+    return span
+
+
 class _PldComposer:
     """Composes PLDs incrementally: ε at T steps reuses the result at T' < T.
 
@@ -402,24 +440,58 @@ class _PldComposer:
 
     def __init__(self, mechanism, value_discretization_interval):
         self._relation = mechanism.neighboring_relation
-        self._interval = value_discretization_interval
+        self._requested = value_discretization_interval
+        self._mechanism = mechanism
         self._setup = _PldTerms.of(mechanism.setup_event())
         self._step = _PldTerms.of(mechanism.step_event())
-        self._single_step = {}  # (q, z) -> PLD of one step
-        self._powers = {}  # (q, z, count) -> PLD of `count` steps
-        self._last_steps = None  # the sampled part composed for this many steps
-        self._last_sampled = None
         self.exact = (
             not self._setup.sampled
             and not self._step.sampled
             and self._relation in _GAUSSIAN_SENSITIVITY
         )
+        self.interval = None
+        self._sampled_interval = None  # What the sampled terms need.
+        if not self.exact:
+            spans = [
+                _loss_span(z, q, self._relation)
+                for q, z in {**self._setup.sampled, **self._step.sampled}
+            ]
+            self._sampled_interval = max(
+                [self._requested] + [span / MAX_PLD_POINTS for span in spans]
+            )
+            self._check_grid(self._sampled_interval, mechanism)
+            self._use_interval(self._sampled_interval)
+
+    @staticmethod
+    def _check_grid(interval, mechanism, steps=None):
+        """Refuses a loss range too wide for a grid of at most 1: ε would be
+        above about 1e5 and dp-accounting's arithmetic overflows."""
+        if interval <= validation.MAX_VALUE_DISCRETIZATION_INTERVAL:
+            return
+        after = "" if steps is None else f" after {steps} steps"
+        raise ValueError(
+            f"The PLD accountant cannot hold the privacy loss{after} at "
+            f"noise_multiplier={getattr(mechanism, 'noise_multiplier', None)!r}: "
+            f"it spans more than {MAX_PLD_POINTS} grid steps of 1 (ε is above "
+            "about 1e5, no privacy to speak of). Use a noise multiplier of at "
+            "least 0.01, or accountant='rdp'."
+        )
+
+    def _use_interval(self, interval):
+        """Builds every later PLD on the grid `interval` (coarser only)."""
+        if interval == self.interval:
+            return
+        self.interval = interval
+        self._single_step = {}  # (q, z) -> PLD of one step
+        self._powers = {}  # (q, z, count) -> PLD of `count` steps
+        self._last_steps = None  # the sampled part composed for this many steps
+        self._last_sampled = None
 
     def _gaussian(self, noise_multiplier, sampling_prob=1.0):
         return pld_lib.from_gaussian_mechanism(
             standard_deviation=noise_multiplier,
             sampling_prob=sampling_prob,
-            value_discretization_interval=self._interval,
+            value_discretization_interval=self.interval,
             neighboring_relation=self._relation,
         )
 
@@ -465,6 +537,11 @@ class _PldComposer:
             self._setup.gaussian_inverse_square
             + steps * self._step.gaussian_inverse_square
         )
+        if inverse_square:  # The Gaussian part's grid grows with the steps.
+            span = _loss_span(inverse_square**-0.5, 1.0, self._relation)
+            needed = max(self._sampled_interval, span / MAX_PLD_POINTS)
+            self._check_grid(needed, self._mechanism, steps)
+            self._use_interval(max(self.interval, needed))
         sampled = self._sampled_part(steps)
         if inverse_square == 0:
             return sampled

@@ -302,7 +302,7 @@ class Schedule:
         >>> epochs.privacy_mechanism(1.0, noise="tree").describe_noise()
         'tree aggregation (DP-FTRL), restarted every epoch'
         """
-        if noise not in NOISES:
+        if not isinstance(noise, str) or noise not in NOISES:
             raise ValueError(f"noise must be one of {NOISES}, got {noise!r}.")
         if self.sampling == "epochs":
             if setup:

@@ -411,3 +411,34 @@ def test_sampled_schedules_never_get_the_closed_form(monkeypatch):
     with pytest.raises(AssertionError, match="closed form"):
         privacy.Accountant(privacy.full_batch(1.0, 1_000)).epsilon(3, 1e-6)
     assert not privacy.Accountant(privacy.full_batch(1.0, 1_000), "rdp").exact
+
+
+@pytest.mark.parametrize(
+    "mechanism",
+    [
+        privacy.dp_sgd(1.0, batch_size=100, num_examples=10_000),
+        privacy.virtual_clients(1.0, 50, 20_000, users_per_client=2),
+    ],
+    ids=["poisson", "virtual_clients_k2"],
+)
+def test_a_wide_loss_range_coarsens_the_grid_and_stays_an_upper_bound(
+    monkeypatch, mechanism
+):
+    """Where one step would need more than MAX_PLD_POINTS grid steps, the grid
+    is the loss range / MAX_PLD_POINTS: ε is then dp-accounting's own PLD on
+    that grid, and at least its ε on the finer grid asked for."""
+    from kdpemb.privacy import accountant as accountant_module
+
+    monkeypatch.setattr(accountant_module, "MAX_PLD_POINTS", 2**12)
+    steps, fine = 20, 1e-4
+    event = mechanism.event(steps)
+    relation = mechanism.neighboring_relation
+    accountant = privacy.Accountant(mechanism, "pld")
+    coarse = accountant.value_discretization_interval_used
+    assert coarse > 10 * fine  # The range is wider than 2**12 · 1e-4.
+    got = accountant.epsilon(steps, 1e-6)
+    reference = dpa.pld.PLDAccountant(relation, coarse).compose(event)
+    assert got == pytest.approx(reference.get_epsilon(1e-6), rel=1e-9)
+    finer = dpa.pld.PLDAccountant(relation, fine).compose(event)
+    assert got >= finer.get_epsilon(1e-6)
+    assert got <= 1.05 * finer.get_epsilon(1e-6)
