@@ -149,15 +149,10 @@ QUICK_UTILITY = UtilityConfig(
 
 def _quiet():
     """Fixed seeds make the benchmark repeatable; they void the guarantee,
-    which does not matter here, so their warnings are silenced (and so is
-    dp-accounting's RDP chatter during calibration)."""
+    which does not matter here, so their warnings are silenced. (Calibration
+    mutes dp-accounting's RDP chatter itself; the absl verbosity is left
+    alone, since it is process-wide and would outlive the benchmark.)"""
     warnings.simplefilter("ignore")
-    try:
-        import absl.logging
-
-        absl.logging.set_verbosity("error")
-    except ImportError:
-        pass
 
 
 @dataclasses.dataclass

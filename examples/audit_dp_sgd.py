@@ -56,7 +56,6 @@ BROKEN = {
         (gaussian_sum, "gaussian_noise", lambda real: lambda *a: [
             n / 10 for n in real(*a)]),
         (host_noise, "gaussian_noise", _tenth),
-        (host_noise, "symmetric_noise", _tenth),
     ],
     "clipping removed": [(gaussian_sum, "clip_factors", _unclipped)],
 }  # fmt: skip

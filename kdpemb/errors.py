@@ -19,6 +19,7 @@ __all__ = [
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
     "DegenerateFeaturesWarning",
+    "LostReleaseError",
     "NonFiniteFeaturesError",
     "PrivacyBudgetExhaustedError",
     "PrivacyWarning",
@@ -96,6 +97,12 @@ class UnsupportedMechanismError(ValueError):
 
 class PrivacyBudgetExhaustedError(RuntimeError):
     """Training was asked to continue with no privacy budget left."""
+
+
+class LostReleaseError(RuntimeError):
+    """A one-off release that the accounting counts once is missing from a
+    model that has already taken private steps: releasing it again would
+    spend privacy that no statement counts."""
 
 
 class RoundTruncationError(RuntimeError):

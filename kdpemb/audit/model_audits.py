@@ -284,10 +284,18 @@ def audit_last_layer_dp_sgd(
     clip_norm, num_others, num_classes, canary_norm = _check_dense(
         clip_norm, num_others, num_classes, canary_norm
     )
-    # The gradient of (x, bias) has norm ‖r‖ · (‖x‖² + 1)^½.
-    ratio = canary_norm / _residual_norm(num_classes)
+    # The gradient of (x, bias) has norm ‖r‖ · (‖x‖² + 1)^½ >= ‖r‖.
+    residual = _residual_norm(num_classes)
+    if canary_norm <= residual:
+        raise ValueError(
+            f"canary_norm={canary_norm!r} is not above {residual:.4g}, the norm "
+            "of the bias part of a canary's gradient alone; the canary's "
+            "kernel row would carry no signal. Use a larger canary_norm (the "
+            "default is 10 · clip_norm)."
+        )
+    ratio = canary_norm / residual
     features, labels, rows = _dense_canary_data(
-        trials, num_others, num_classes, np.sqrt(max(ratio**2 - 1.0, 1e-12)), seed
+        trials, num_others, num_classes, np.sqrt(ratio**2 - 1.0), seed
     )
     with _seeded_models(seed):
         model = LastLayerDPClassifier(

@@ -277,10 +277,11 @@ class DPModel(FrozenSettings, keras.Model):
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
         x, y = _check_data(x, y)
         if getattr(self, "_class_labels", False):
+            # Every class index, whatever the label shape: one per example,
+            # or one per position for a network with several output axes
+            # (the per-example loss averages over them). Lengths match.
             validation.check_labels(
-                y.reshape(len(y)) if y.shape[1:] == (1,) else y,
-                num_examples=len(x),
-                num_classes=_num_outputs(self.network),
+                y.reshape(-1), num_classes=_num_outputs(self.network)
             )
         inputs.check_input_shape(
             inputs.model_input_shape(self.network),

@@ -22,7 +22,8 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.models import last_layer_stats as stats
-from kdpemb.privacy import host_noise
+from kdpemb.errors import LostReleaseError
+from kdpemb.privacy import host_noise, protocol
 from kdpemb.privacy.mechanisms import GaussianRelease
 
 
@@ -211,7 +212,12 @@ class DPFeatureCovariance(ClosedFormSolver):
     The Hessian blocks of a zero head are `p(1 − p) X̃ᵀX̃` with p = 1/K:
     the released covariance stands in for all of them at every step. It is
     model state (`feature_covariance`, `covariance_released`), so a
-    resumed or reloaded fit reuses it instead of paying for it again.
+    resumed or reloaded fit reuses it instead of paying for it again. A
+    model that has taken private steps but holds no covariance (restored
+    from a checkpoint older than its first step, with `PrivacyLedger`
+    counting the steps after it) raises `LostReleaseError` before any
+    release: the lost covariance was counted once, and a second one would
+    not be.
 
     Example:
 
@@ -261,6 +267,18 @@ class DPFeatureCovariance(ClosedFormSolver):
         )  # fmt: skip
 
     def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
+        released = int(keras.ops.convert_to_numpy(model.covariance_released))
+        taken = protocol.read_private_steps(model)
+        if not released and taken:
+            raise LostReleaseError(
+                f"This dp-fc model has taken {taken} private step(s) but holds "
+                "no released feature covariance: the covariance an earlier "
+                "run released (once, as its accounting counts) was lost, e.g. "
+                "by restoring a checkpoint saved before its first step. "
+                "Releasing it again would spend privacy that no statement "
+                "counts. Restore a checkpoint saved after the first step, or "
+                "train a new model (its ε adds to what this data has spent)."
+            )
         (covariance_release,), (gradient_release,) = self.releases(
             noise_multiplier, planned_steps
         )
@@ -269,7 +287,7 @@ class DPFeatureCovariance(ClosedFormSolver):
             features, labels, _kernel(model), self.feature_clip_norm, hessians=False
         )
         gradient += host_noise.gaussian_noise(gradient_release, gradient.shape, rng)
-        if not int(keras.ops.convert_to_numpy(model.covariance_released)):
+        if not released:
             covariance = stats.gram(features, self.feature_clip_norm)
             covariance += host_noise.symmetric_noise(covariance_release, dim, rng)
             model.covariance.assign(stats.make_psd(covariance).astype("float32"))

@@ -12,7 +12,8 @@ from kdpemb.privacy import gaussian_sum, host_noise
 
 @pytest.fixture
 def noise_divided_by_10(monkeypatch):
-    """Every in-graph Gaussian noise draw (DP-SGD, FedEmb) is a tenth."""
+    """The in-graph Gaussian noise of DP-SGD steps and independent-noise
+    FedEmb rounds is a tenth (tree noise, not audited, draws elsewhere)."""
     real = gaussian_sum.gaussian_noise
 
     def weak(clipped_sum, noise_multiplier, seed_generator):
@@ -37,9 +38,9 @@ def clipping_removed(monkeypatch):
 
 @pytest.fixture
 def host_noise_divided_by_10(monkeypatch):
-    """The host-side noise of the closed-form last-layer methods is a tenth."""
-    for name in ("gaussian_noise", "symmetric_noise"):
-        real = getattr(host_noise, name)
-        monkeypatch.setattr(
-            host_noise, name, lambda *a, real=real, **k: real(*a, **k) / 10
-        )
+    """The host-side noise of the closed-form last-layer methods is a tenth
+    (`symmetric_noise`, the Gram matrix's, draws through `gaussian_noise`)."""
+    real = host_noise.gaussian_noise
+    monkeypatch.setattr(
+        host_noise, "gaussian_noise", lambda *a, **k: real(*a, **k) / 10
+    )

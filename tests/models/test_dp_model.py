@@ -362,3 +362,20 @@ def test_inputs_the_network_was_not_built_for_are_refused_before_any_step():
     with pytest.raises(ValueError, match=pattern):
         model.fit(x, np.zeros(20, int), batch_size=5, verbose=0)
     assert protocol.read_private_steps(model) == 0 and model.schedule is None
+
+
+def test_sparse_labels_with_several_output_axes_train_and_are_range_checked():
+    # A network with an output per position: one class index per position.
+    network = keras.Sequential([keras.Input((5, 3)), keras.layers.Dense(4)])
+    model = DPModel(network, noise_multiplier=1.0, delta=1e-3, seed=0)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5, 3)).astype("float32")
+    y = rng.integers(0, 4, (16, 5))
+    bad = y.copy()
+    bad[3, 2] = 4
+    with pytest.raises(ValueError, match="num_classes=4"):
+        model.fit(x, bad, batch_size=8, epochs=1, verbose=0)
+    assert protocol.read_private_steps(model) == 0
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert protocol.read_private_steps(model) == 2

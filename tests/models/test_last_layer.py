@@ -1478,3 +1478,31 @@ def test_the_warning_is_one_bit_whether_half_the_rows_are_below_the_threshold():
         make_model(3, "dp-ls", feature_clip_norm=1e-9).fit(
             features * 1e-10, labels, verbose=0
         )
+
+
+def test_dp_fc_refuses_to_release_its_covariance_again_after_a_lost_checkpoint(
+    tmp_path, monkeypatch
+):
+    from kdpemb.callbacks import PrivacyLedger
+    from kdpemb.errors import LostReleaseError
+
+    features, labels = make_data()
+    ledger = str(tmp_path / "ledger.json")
+    settings = dict(noise_multiplier=1.0, feature_clip_norm=1.0, delta=1e-3)
+    first = make_model(3, "dp-fc", **settings)
+    first.fit(features, labels, epochs=2, callbacks=[PrivacyLedger(ledger)], verbose=0)
+    assert int(keras.ops.convert_to_numpy(first.covariance_released)) == 1
+    # A crash lost every checkpoint: a new model resumes from the ledger's count.
+    releases = []
+    real = host_noise.symmetric_noise
+    monkeypatch.setattr(
+        host_noise,
+        "symmetric_noise",
+        lambda *a, **k: releases.append(1) or real(*a, **k),
+    )
+    resumed = make_model(3, "dp-fc", **settings)
+    with pytest.raises(LostReleaseError, match="covariance"):
+        resumed.fit(
+            features, labels, epochs=2, callbacks=[PrivacyLedger(ledger)], verbose=0
+        )
+    assert releases == [] and steps_of(resumed) == 2
