@@ -12,6 +12,7 @@ import ast
 import doctest
 import importlib
 import inspect
+import itertools
 import pathlib
 import pkgutil
 import re
@@ -84,12 +85,12 @@ def attribute_docstring(qualified_name, value):
     mkdocstrings shows it as the constant's docstring; Python keeps none.
     """
     name = qualified_name.rsplit(".", 1)[1]
-    for module_name in public_modules() + ["kdpemb.version"]:
+    for module_name in [*public_modules(), "kdpemb.version"]:
         module = importlib.import_module(module_name)
         if vars(module).get(name) is not value or not module.__file__:
             continue
         body = ast.parse(pathlib.Path(module.__file__).read_text()).body
-        for statement, following in zip(body, body[1:], strict=False):
+        for statement, following in itertools.pairwise(body):
             targets = getattr(statement, "targets", [getattr(statement, "target", 0)])
             if (
                 any(isinstance(t, ast.Name) and t.id == name for t in targets)

@@ -220,7 +220,16 @@ class Accountant:
         return self._epsilon(delta, validation.check_steps(steps, minimum=0))
 
     def delta(self, steps, epsilon):
-        """The δ of (ε, δ)-DP after `steps` private steps (an upper bound)."""
+        """The δ of (ε, δ)-DP after `steps` private steps (an upper bound).
+
+        Example:
+
+        >>> from kdpemb import privacy
+        >>> m = privacy.dp_sgd(
+        ...     noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+        >>> privacy.delta(m, steps=1_000, epsilon=1.0) < 1e-8
+        True
+        """
         epsilon = validation.check_finite_real(epsilon, "epsilon")
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
