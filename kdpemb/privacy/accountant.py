@@ -34,6 +34,18 @@ from kdpemb.privacy import analytic_gaussian
 from kdpemb.privacy.mechanisms import Mechanism, Relation
 
 ACCOUNTANTS = ("pld", "rdp")
+"""The accountants, for `accountant=`: "pld" (privacy loss distributions,
+the tighter one, and the default where it models the mechanism) and "rdp"
+(Rényi DP).
+
+Example:
+
+>>> from kdpemb import privacy
+>>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+>>> {a: round(privacy.epsilon(m, steps=1_000, delta=1e-5, accountant=a), 2)
+...  for a in privacy.ACCOUNTANTS}
+{'pld': 0.6, 'rdp': 0.89}
+"""
 MAX_SEARCH_STEPS = 2**31  # No training run takes two billion private steps.
 
 
@@ -227,7 +239,7 @@ class Accountant:
         >>> from kdpemb import privacy
         >>> m = privacy.dp_sgd(
         ...     noise_multiplier=1.1, batch_size=256, num_examples=60_000)
-        >>> privacy.delta(m, steps=1_000, epsilon=1.0) < 1e-8
+        >>> privacy.Accountant(m, "pld").delta(1_000, epsilon=1.0) < 1e-8
         True
         """
         epsilon = validation.check_finite_real(epsilon, "epsilon")
@@ -527,6 +539,14 @@ def epsilon(mechanism, steps, delta, *, accountant=None):
 
 
 def delta(mechanism, steps, epsilon, *, accountant=None):
-    """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper)."""
+    """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    >>> privacy.delta(m, steps=1_000, epsilon=1.0) < 1e-8
+    True
+    """
     steps = validation.check_steps(steps)
     return Accountant(mechanism, accountant).delta(steps, epsilon)
