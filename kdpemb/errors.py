@@ -35,15 +35,56 @@ __all__ = [
 
 
 class PrivacyWarning(UserWarning):
-    """Something weakens or voids the privacy guarantee: read before release."""
+    """Something weakens or voids the privacy guarantee: read before release.
+
+    Example:
+
+    >>> import warnings
+    >>> from kdpemb.errors import PrivacyWarning, ReproducibleSamplingWarning
+    >>> issubclass(ReproducibleSamplingWarning, PrivacyWarning)
+    True
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error", PrivacyWarning)  # fail on any of them
+    ...     warnings.warn("demo", ReproducibleSamplingWarning)
+    Traceback (most recent call last):
+        ...
+    kdpemb.errors.ReproducibleSamplingWarning: demo
+    """
 
 
 class ReproducibleNoiseWarning(PrivacyWarning):
-    """A fixed seed makes the DP noise predictable: for tests only."""
+    """A fixed seed makes the DP noise predictable: for tests only.
+
+    Example:
+
+    >>> import warnings
+    >>> import kdpemb
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     model = kdpemb.testing.ToyDPRegressor(
+    ...         num_examples=64, num_features=3, noise_multiplier=1.0,
+    ...         sampling_probability=0.1, seed=0)
+    >>> [w.category.__name__ for w in caught]
+    ['ReproducibleNoiseWarning']
+    """
 
 
 class ReproducibleSamplingWarning(PrivacyWarning):
-    """A fixed seed makes the sampling of users or examples predictable."""
+    """A fixed seed makes the sampling of users or examples predictable.
+
+    Example:
+
+    >>> import warnings
+    >>> import numpy as np
+    >>> from kdpemb.data import VirtualClients
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     clients = VirtualClients(np.zeros((8, 4, 4, 1)), labels=np.arange(8),
+    ...                              user_ids=np.arange(8) // 2,
+    ...                              clients_per_round=2, seed=0)
+    >>> [w.category.__name__ for w in caught]
+    ['ReproducibleSamplingWarning']
+    """
 
 
 class DataDependentScheduleWarning(PrivacyWarning):
@@ -51,6 +92,20 @@ class DataDependentScheduleWarning(PrivacyWarning):
 
     E.g. the number of virtual clients P = ceil(N / k) computed from the
     private user count N: pass `num_clients` from a public count instead.
+
+    Example:
+
+    >>> import warnings
+    >>> import numpy as np
+    >>> from kdpemb.data import VirtualClients
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     clients = VirtualClients(np.zeros((8, 4, 4, 1)), labels=np.arange(8),
+    ...                              user_ids=np.arange(8) // 2,
+    ...                              clients_per_round=2, sampling="epochs")
+    ...     steps = clients.schedule.steps_per_epoch  # R = ceil(4 users / 2)
+    >>> steps, [w.category.__name__ for w in caught]
+    (2, ['DataDependentScheduleWarning'])
     """
 
 
@@ -60,21 +115,65 @@ class SmallPopulationWarning(PrivacyWarning):
     Its neighbouring dataset is the empty one, so the guarantee is about
     all of the data: the model is useless or discloses that unit's data,
     and δ < 1/population rules out nothing.
+
+    Example:
+
+    >>> import warnings
+    >>> from kdpemb import privacy
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     mechanism = privacy.dp_sgd(
+    ...         noise_multiplier=1.0, batch_size=1, num_examples=1)
+    >>> [w.category.__name__ for w in caught]
+    ['SmallPopulationWarning']
     """
 
 
 class UnsupportedBackendError(ImportError):
-    """Keras is set to a backend kdpemb does not support."""
+    """Keras is set to a backend kdpemb does not support.
+
+    Example:
+
+    Raised by `import kdpemb` with, e.g., `KERAS_BACKEND=torch`. It is an
+    `ImportError`, so code that treats kdpemb as optional catches it:
+
+    >>> from kdpemb.errors import UnsupportedBackendError
+    >>> issubclass(UnsupportedBackendError, ImportError)
+    True
+    """
 
 
 class UnsupportedLayerError(ValueError):
-    """The backbone holds a layer that would leak private data."""
+    """The backbone holds a layer that would leak private data.
+
+    Example:
+
+    >>> import keras
+    >>> import kdpemb
+    >>> backbone = keras.Sequential([keras.Input((4, 4, 1)),
+    ...                              keras.layers.BatchNormalization(),
+    ...                              keras.layers.Flatten()])
+    >>> kdpemb.models.check_backbone(backbone)
+    Traceback (most recent call last):
+        ...
+    kdpemb.errors.UnsupportedLayerError: The backbone has 1 trainable ...
+    """
 
 
 class NonFiniteFeaturesError(ValueError):
     """A backbone gave NaN or infinite features (or embeddings).
 
     `summary` says how many rows, and the first.
+
+    Example:
+
+    Raised by `kdpemb.features.extract` and the `RecallAtFAR` callback; it
+    is a `ValueError`:
+
+    >>> from kdpemb.errors import NonFiniteFeaturesError
+    >>> error = NonFiniteFeaturesError("NaN features", summary="1 of 4 rows")
+    >>> isinstance(error, ValueError), error.summary
+    (True, '1 of 4 rows')
     """
 
     def __init__(self, message, summary=""):
@@ -84,19 +183,66 @@ class NonFiniteFeaturesError(ValueError):
 
 class DegenerateFeaturesWarning(UserWarning):
     """Most feature rows are (near) zero at the clip scale: a private head
-    would learn nothing (e.g. an untrained backbone's features)."""
+    would learn nothing (e.g. an untrained backbone's features).
+
+    Example:
+
+    >>> import warnings
+    >>> import numpy as np
+    >>> from kdpemb.models.last_layer_inputs import warn_if_degenerate
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_if_degenerate(np.zeros((4, 3)), 1.0, "clip_norm")
+    >>> [w.category.__name__ for w in caught]
+    ['DegenerateFeaturesWarning']
+    """
 
 
 class CalibrationError(ValueError):
-    """No noise multiplier in the allowed range meets the target ε."""
+    """No noise multiplier in the allowed range meets the target ε.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> mechanism = privacy.dp_sgd(
+    ...     noise_multiplier=1.0, batch_size=10, num_examples=100)
+    >>> privacy.calibrate_noise_multiplier(
+    ...     mechanism, 100, 1e-5, target_epsilon=1e-4, max_noise_multiplier=2.0)
+    Traceback (most recent call last):
+        ...
+    kdpemb.errors.CalibrationError: target_epsilon=0.0001 cannot be met ...
+    """
 
 
 class UnsupportedMechanismError(ValueError):
-    """The chosen accountant cannot express this mechanism and relation."""
+    """The chosen accountant cannot express this mechanism and relation.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> mechanism = privacy.zcdp(rho=0.1, population=100)
+    >>> privacy.epsilon(mechanism, steps=10, delta=1e-5, accountant="pld")
+    Traceback (most recent call last):
+        ...
+    kdpemb.errors.UnsupportedMechanismError: The PLD accountant cannot account ...
+    """
 
 
 class PrivacyBudgetExhaustedError(RuntimeError):
-    """Training was asked to continue with no privacy budget left."""
+    """Training was asked to continue with no privacy budget left.
+
+    Example:
+
+    `kdpemb.callbacks.PrivacyBudget` raises it when `fit` is called again on
+    a model whose step budget is spent; it is a `RuntimeError`:
+
+    >>> import kdpemb
+    >>> from kdpemb.errors import PrivacyBudgetExhaustedError
+    >>> kdpemb.callbacks.PrivacyBudgetExhaustedError is PrivacyBudgetExhaustedError
+    True
+    >>> issubclass(PrivacyBudgetExhaustedError, RuntimeError)
+    True
+    """
 
 
 class LostReleaseError(RuntimeError):
@@ -106,7 +252,18 @@ class LostReleaseError(RuntimeError):
 
 
 class RoundTruncationError(RuntimeError):
-    """A round sampled more virtual clients than its fixed shape holds."""
+    """A round sampled more virtual clients than its fixed shape holds.
+
+    Example:
+
+    `kdpemb.data.VirtualClients` raises it while iterating when a Poisson
+    round samples more than `max_clients_per_round` clients (with the
+    probability `truncation_probability` per round):
+
+    >>> from kdpemb.errors import RoundTruncationError
+    >>> issubclass(RoundTruncationError, RuntimeError)
+    True
+    """
 
 
 class RoundsOutOfEpochError(RuntimeError):
@@ -114,6 +271,14 @@ class RoundsOutOfEpochError(RuntimeError):
 
     They were not trained (nothing was released and they were not
     counted): a user could otherwise take part twice in one epoch.
+
+    Example:
+
+    `kdpemb.FedEmbModel.fit` raises it; it is a `RuntimeError`:
+
+    >>> from kdpemb.errors import RoundsOutOfEpochError
+    >>> issubclass(RoundsOutOfEpochError, RuntimeError)
+    True
     """
 
 
@@ -122,4 +287,14 @@ class DatasetNotFoundError(FileNotFoundError):
 
     The message lists every place looked at, why each failed, and how to
     provide the files.
+
+    Example:
+
+    >>> from kdpemb import datasets
+    >>> datasets.load_mnist("/no/such/dir", download=False)
+    Traceback (most recent call last):
+        ...
+    kdpemb.errors.DatasetNotFoundError: MNIST was not found. Looked in:
+      - path='/no/such/dir': does not exist
+    ...
     """

@@ -6,6 +6,15 @@ classifier then fits a linear head to with DP. With `cache=` and
 `backbone_name=` the features are kept on disk (`kdpemb.feature_cache`),
 so running the same backbone on the same images again loads them instead.
 What `data` may be is read by `kdpemb.data.inputs`.
+
+Example:
+
+>>> import keras, numpy as np
+>>> import kdpemb
+>>> backbone = keras.Sequential([keras.Input((2, 2, 1)), keras.layers.Flatten()])
+>>> features = kdpemb.features.extract(backbone, np.ones((3, 2, 2, 1)), verbose=0)
+>>> features.shape, features.dtype
+((3, 4), dtype('float32'))
 """
 
 import sys

@@ -32,6 +32,20 @@ def save_model(model, filepath, **kwargs):
     """`keras.saving.save_model(model, filepath, **kwargs)`, atomically.
 
     `filepath` is a single file (".keras"); `kwargs` go to Keras.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> import keras
+    >>> from kdpemb.saving import save_model
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     path = os.path.join(directory, "model.keras")
+    ...     save_model(model, path)
+    ...     files = os.listdir(directory)  # no temporary file left behind
+    ...     restored = keras.saving.load_model(path)
+    >>> files, restored.count_params()
+    (['model.keras'], 4)
     """
     with _atomic.atomic_path(filepath) as temporary:
         keras.saving.save_model(model, temporary, **kwargs)
@@ -41,6 +55,18 @@ def save_weights(model, filepath, **kwargs):
     """`model.save_weights(filepath, **kwargs)`, atomically.
 
     `filepath` ends with ".weights.h5" (a single file, not sharded).
+
+    Example:
+
+    >>> import os, tempfile
+    >>> import keras
+    >>> from kdpemb.saving import save_weights
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     save_weights(model, os.path.join(directory, "model.weights.h5"))
+    ...     model.load_weights(os.path.join(directory, "model.weights.h5"))
+    ...     os.listdir(directory)
+    ['model.weights.h5']
     """
     if kwargs.get("max_shard_size") is not None:
         raise ValueError(

@@ -47,6 +47,18 @@ class AuditResult:
             canary: called "in", and all.
         false_positives, negatives: ints. Held-out releases without it.
         threshold: float. Scores >= threshold are called "in".
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kdpemb import audit
+    >>> rng = np.random.default_rng(0)
+    >>> result = audit.audit_scores(rng.normal(3, 1, 400), rng.normal(0, 1, 400),
+    ...                             claimed_epsilon=1.0, delta=1e-5)
+    >>> isinstance(result, audit.AuditResult), result.trials
+    (True, 800)
+    >>> result.violated  # these scores separate more than ε = 1 allows
+    True
     """
 
     epsilon_lower_bound: float
@@ -248,6 +260,14 @@ def audit_gaussian_sum(
 
     Returns:
         `AuditResult`.
+
+    Example:
+
+    >>> from kdpemb import audit
+    >>> result = audit.audit_gaussian_sum(
+    ...     noise_multiplier=2.0, delta=1e-5, trials=200, seed=0)
+    >>> result.trials, result.epsilon_lower_bound < result.claimed_epsilon
+    (200, True)
     """
     noise_multiplier = validation.check_positive(noise_multiplier, "noise_multiplier")
     delta = validation.check_delta(delta)

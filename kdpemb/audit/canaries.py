@@ -33,6 +33,16 @@ class DirectionCanary:
     Attributes:
         direction: float64 array `[dim]` of L2 norm 1.
         norm: float. The canary's L2 norm (before any clipping).
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kdpemb import audit
+    >>> canary = audit.direction_canary(4, norm=10.0, seed=0)
+    >>> isinstance(canary, audit.DirectionCanary), canary.norm
+    (True, 10.0)
+    >>> round(float(np.linalg.norm(canary.direction)), 6)
+    1.0
     """
 
     direction: np.ndarray
@@ -63,6 +73,14 @@ def direction_canary(dim, norm, seed=None):
             is clipped to it, and without clipping it moves the sum by
             `norm` (what an audit of "clipping removed" detects).
         seed: int or None. The direction's seed.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kdpemb import audit
+    >>> canary = audit.direction_canary(4, norm=10.0, seed=0)
+    >>> canary.direction.shape, round(float(np.linalg.norm(canary.vector)), 6)
+    ((4,), 10.0)
     """
     dim = validation.check_positive_int(dim, "dim")
     norm = validation.check_positive(norm, "norm")

@@ -1,4 +1,11 @@
-"""Keras callbacks of kdpemb. Importing this module imports Keras."""
+"""Keras callbacks of kdpemb. Importing this module imports Keras.
+
+Example:
+
+>>> import kdpemb
+>>> budget = kdpemb.callbacks.PrivacyBudget(delta=1e-5, target_epsilon=2.0)
+>>> # model.fit(data, epochs=..., callbacks=[budget]) stops before ε > 2.
+"""
 
 from kdpemb.callbacks.atomic_backup import AtomicBackupAndRestore
 from kdpemb.callbacks.privacy_budget import PrivacyBudget

@@ -27,6 +27,16 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
 
         callbacks=[AtomicBackupAndRestore(backup_dir, save_freq=k),
                    PrivacyLedger(ledger_path), PrivacyBudget(...)]
+
+    Example:
+
+    >>> import tempfile
+    >>> import keras
+    >>> import kdpemb
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     backup = kdpemb.callbacks.AtomicBackupAndRestore(directory)
+    >>> isinstance(backup, keras.callbacks.BackupAndRestore)  # same arguments
+    True
     """
 
     def _save_model(self):

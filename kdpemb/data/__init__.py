@@ -3,6 +3,13 @@
 `VirtualClients` groups users into virtual clients, samples them per round
 and yields fixed-shape rounds for `model.fit`; `PoissonBatches` and
 `PoissonIndices` sample examples for example-level DP-SGD. See `docs/data.md`.
+
+Example:
+
+>>> import kdpemb
+>>> batches = kdpemb.data.PoissonIndices(100, batch_size=10, steps=2, seed=0)
+>>> len(batches)  # steps
+2
 """
 
 from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices

@@ -7,6 +7,14 @@
 
 Every function returns a `UserImages` (or arrays for the MNIST loaders) that
 `kdpemb.data.VirtualClients` takes. Nothing here imports Keras.
+
+Example:
+
+>>> import kdpemb
+>>> data = kdpemb.datasets.synthetic_identities(
+...     num_identities=4, images_per_identity=2, image_size=8)
+>>> data.images.shape, data.num_users
+((8, 8, 8, 3), 4)
 """
 
 from kdpemb.datasets.directory import from_directory

@@ -141,6 +141,19 @@ _DOMAINS = {
     ),
 }
 DOMAINS = tuple(_DOMAINS)
+"""The image domains of `synthetic_identities(domain=...)`: "private" (the
+default) and "public", which renders other identities differently, for
+pretraining or clip norms that must not see the private data.
+
+Example:
+
+>>> from kdpemb.datasets import synthetic_identities
+>>> from kdpemb.datasets.synthetic_identities import DOMAINS
+>>> DOMAINS
+('private', 'public')
+>>> synthetic_identities(2, 1, image_size=8, domain="public").images.shape
+(2, 8, 8, 3)
+"""
 _LUMA = (0.299, 0.587, 0.114)
 # Pixels per float32 plane (M images, H*W each) while rendering: 1 MB each.
 _CHUNK_PIXELS = 1 << 18

@@ -3,6 +3,15 @@
 `recall_at_far` and `verification_roc` are NumPy functions (no Keras
 needed to call them); `RecallAtFARMetric` is the same value as a
 `keras.metrics.Metric`. See `docs/evaluation.md`.
+
+Example:
+
+>>> import numpy as np
+>>> import kdpemb
+>>> embeddings = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+>>> labels = np.array([0, 0, 1, 1])
+>>> float(kdpemb.metrics.recall_at_far(embeddings, labels, far=0.25))
+1.0
 """
 
 import importlib

@@ -1,4 +1,15 @@
-"""Private training models (their DP `train_step`s), baselines and backbones."""
+"""Private training models (their DP `train_step`s), baselines and backbones.
+
+Example:
+
+>>> import kdpemb
+>>> backbone = kdpemb.models.small_cnn(
+...     (8, 8, 1), embedding_dim=4, width=4, groups=2)
+>>> backbone.output_shape
+(None, 4)
+>>> kdpemb.FedEmbModel is kdpemb.models.FedEmbModel  # also at the top level
+True
+"""
 
 from kdpemb.errors import (  # noqa: F401 (see kdpemb.errors)
     ReproducibleNoiseWarning,

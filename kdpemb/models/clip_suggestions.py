@@ -61,6 +61,14 @@ def suggest_feature_clip_norm(features, quantile=0.5):
 
     Returns:
         float: a `feature_clip_norm` for `LastLayerDPClassifier`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kdpemb.models import suggest_feature_clip_norm
+    >>> public = np.array([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])  # norms 5, 1, 10
+    >>> suggest_feature_clip_norm(public), suggest_feature_clip_norm(public, 1.0)
+    (5.0, 10.0)
     """
     quantile = _check_quantile(quantile)
     features = np.asarray(features, np.float64)

@@ -35,6 +35,18 @@ from kdpemb.privacy import analytic_gaussian
 from kdpemb.privacy.mechanisms import Mechanism, Relation
 
 ACCOUNTANTS = ("pld", "rdp")
+"""The accountants, for `accountant=`: "pld" (privacy loss distributions,
+the tighter one, and the default where it models the mechanism) and "rdp"
+(Rényi DP).
+
+Example:
+
+>>> from kdpemb import privacy
+>>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+>>> {a: round(privacy.epsilon(m, steps=1_000, delta=1e-5, accountant=a), 2)
+...  for a in privacy.ACCOUNTANTS}
+{'pld': 0.6, 'rdp': 0.89}
+"""
 MAX_SEARCH_STEPS = 2**31  # No training run takes two billion private steps.
 
 
@@ -233,7 +245,16 @@ class Accountant:
         return self._epsilon(delta, validation.check_steps(steps, minimum=0))
 
     def delta(self, steps, epsilon):
-        """The δ of (ε, δ)-DP after `steps` private steps (an upper bound)."""
+        """The δ of (ε, δ)-DP after `steps` private steps (an upper bound).
+
+        Example:
+
+        >>> from kdpemb import privacy
+        >>> m = privacy.dp_sgd(
+        ...     noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+        >>> privacy.Accountant(m, "pld").delta(1_000, epsilon=1.0) < 1e-8
+        True
+        """
         epsilon = validation.check_finite_real(epsilon, "epsilon")
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
@@ -595,6 +616,14 @@ def epsilon(mechanism, steps, delta, *, accountant=None):
 
 
 def delta(mechanism, steps, epsilon, *, accountant=None):
-    """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper)."""
+    """δ after `steps` steps of `mechanism` at `epsilon` (one-shot helper).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    >>> privacy.delta(m, steps=1_000, epsilon=1.0) < 1e-8
+    True
+    """
     steps = validation.check_steps(steps)
     return Accountant(mechanism, accountant).delta(steps, epsilon)

@@ -87,6 +87,18 @@ class RunDescription:
         epsilon_accountant: str or None. "rdp" or "pld"; None when not
             computed.
         epsilon_note: str. How `epsilon` was computed, or why it was not.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> run = privacy.Schedule.virtual_clients(160_000, 2_048)
+    >>> statement = privacy.simulated_deployment(
+    ...     run, 0.02, 200, scale=64, deployment_users=10_000_000, delta=1e-8,
+    ...     accountant="rdp")
+    >>> statement.run.population, statement.run.clients_per_round
+    (160000, 2048.0)
+    >>> statement.run.epsilon > 1_000  # z = 0.02 alone protects nobody
+    True
     """
 
     noise_multiplier: float
@@ -138,6 +150,20 @@ class DeploymentStatement:
             multiplier and clients per round.
         deployment_clients_per_round: float. The deployment's s·M.
         run: `RunDescription`. The run's own z, M, population and ε.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> run = privacy.Schedule.virtual_clients(160_000, 2_048)
+    >>> statement = privacy.simulated_deployment(
+    ...     run, 0.02, 200, scale=64, deployment_users=10_000_000, delta=1e-8,
+    ...     accountant="rdp")
+    >>> isinstance(statement, privacy.DeploymentStatement)
+    True
+    >>> isinstance(statement, privacy.PrivacyStatement)  # never the run's own
+    False
+    >>> statement.deployment_clients_per_round, round(statement.deployment.epsilon, 2)
+    (131072.0, 1.48)
     """
 
     title = "Privacy statement of a SIMULATED DEPLOYMENT (not this run's guarantee)"
@@ -429,6 +455,18 @@ def simulated_deployment(
 
     Returns:
         `DeploymentStatement`.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> run = privacy.Schedule.virtual_clients(160_000, 2_048)
+    >>> statement = privacy.simulated_deployment(
+    ...     run, 0.02, 200, scale=64, deployment_users=10_000_000, delta=1e-8,
+    ...     accountant="rdp")
+    >>> statement.deployment.noise_multiplier, statement.deployment.population
+    (1.28, 10000000)
+    >>> round(statement.deployment.epsilon, 2)
+    1.48
     """
     noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
     deployed = deployment_schedule(

@@ -132,6 +132,19 @@ def ledger_statement(path, mechanism, delta, accountant=None):
 
     This is what a run spent even if it was killed and never resumed: every
     step it began is counted. `mechanism` must be the one recorded.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> from kdpemb import privacy
+    >>> from kdpemb.privacy.ledger import write_ledger
+    >>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     path = os.path.join(directory, "ledger.json")
+    ...     write_ledger(path, m, steps=2_000)  # what PrivacyLedger writes
+    ...     statement = privacy.ledger_statement(path, m, delta=1e-5)
+    >>> statement.steps, round(statement.epsilon, 2)
+    (2000, 0.85)
     """
     record = read_ledger(path, mechanism)
     if record is None:

@@ -211,6 +211,15 @@ class Mechanism(abc.ABC):
     is no single one), `clip_norm` and `sampling_probability` (None where
     they do not apply), and `neighboring_relation` (a
     `dp_accounting.NeighboringRelation`).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    >>> isinstance(m, privacy.Mechanism)
+    True
+    >>> m.unit, m.population, m.sampling, m.noise_multiplier
+    ('example', 60000, 'poisson', 1.1)
     """
 
     clip_norm = None
@@ -320,6 +329,13 @@ class SampledGaussian(Mechanism):
         clip_norm: float or None. C, for the statement only.
         setup: tuple of `GaussianRelease`. One-off releases before step 1
             (e.g. the feature covariance of DP-FC).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    >>> isinstance(m, privacy.SampledGaussian), round(m.sampling_probability, 5)
+    (True, 0.00427)
     """
 
     noise_multiplier: float
@@ -458,6 +474,16 @@ class GaussianReleases(Mechanism):
         unit: str. "example" or "user".
         clip_norm: float or None. Feature clip norm, for the statement.
         setup: tuple of `GaussianRelease`. One-off releases before step 1.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.gaussian_releases(
+    ...     [(2.0, 1.0, "gram"), (2.0, 1.0, "class sums")], num_examples=10_000)
+    >>> isinstance(m, privacy.GaussianReleases), [r.name for r in m.releases]
+    (True, ['gram', 'class sums'])
+    >>> round(privacy.epsilon(m, steps=1, delta=1e-5), 2)
+    2.94
     """
 
     releases: tuple
@@ -527,6 +553,15 @@ class ZCDP(Mechanism):
         xi: float. ξ of each step. Defaults to 0.
         unit: str. "example" or "user".
         relation: str. The relation the zCDP guarantee holds for.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> step = privacy.ZCDP(rho=0.01, population=1_000)
+    >>> step == privacy.zcdp(rho=0.01, population=1_000)  # the builder
+    True
+    >>> round(privacy.epsilon(step, steps=100, delta=1e-5, accountant="rdp"), 2)
+    7.08
     """
 
     rho: float
@@ -604,6 +639,15 @@ class TreeAggregation(Mechanism):
     References:
         Kairouz et al., "Practical and Private (Deep) Learning without
         Sampling or Shuffling", ICML 2021.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.tree_aggregation(10.0, steps_per_epoch=100, num_examples=6_400)
+    >>> isinstance(m, privacy.TreeAggregation), m.sampling
+    (True, 'tree')
+    >>> round(privacy.epsilon(m, steps=200, delta=1e-5), 3)  # two epochs
+    1.574
     """
 
     noise_multiplier: float

@@ -45,7 +45,19 @@ from kdpemb.privacy.statement import PrivacyStatement
 
 @typing.runtime_checkable
 class PrivateModel(typing.Protocol):
-    """A model that counts its private steps and states its mechanism."""
+    """A model that counts its private steps and states its mechanism.
+
+    Example:
+
+    >>> import kdpemb
+    >>> model = kdpemb.testing.ToyDPRegressor(
+    ...     num_examples=64, num_features=3, noise_multiplier=1.5,
+    ...     sampling_probability=0.1)
+    >>> isinstance(model, kdpemb.privacy.PrivateModel)
+    True
+    >>> isinstance(object(), kdpemb.privacy.PrivateModel)
+    False
+    """
 
     private_steps: typing.Any
 
@@ -128,6 +140,16 @@ def privacy_statement(model, delta=None, accountant=None):
         delta: float or None. The δ; None takes the model's `delta`.
         accountant: str or None. "pld" or "rdp"; None (default): "pld"
             where it models the mechanism, else "rdp".
+
+    Example:
+
+    >>> import kdpemb
+    >>> model = kdpemb.testing.ToyDPRegressor(
+    ...     num_examples=64, num_features=3, noise_multiplier=1.5,
+    ...     sampling_probability=0.1)
+    >>> statement = kdpemb.privacy.privacy_statement(model, delta=1e-3)
+    >>> statement.steps, statement.epsilon  # nothing trained yet
+    (0, 0.0)
     """
     mechanism = check_private_model(model)
     return PrivacyStatement.compute(

@@ -80,6 +80,17 @@ class Schedule:
         steps_per_epoch: int or None. For `sampling="epochs"` only: the
             public number of steps in an epoch (`sample_size` is then
             `pool_size / steps_per_epoch` units per step on average).
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> schedule = privacy.Schedule.examples(60_000, 256)
+    >>> round(schedule.sampling_probability, 5)
+    0.00427
+    >>> mechanism = schedule.privacy_mechanism(1.1)
+    >>> mechanism == privacy.dp_sgd(
+    ...     noise_multiplier=1.1, batch_size=256, num_examples=60_000)
+    True
     """
 
     population: int

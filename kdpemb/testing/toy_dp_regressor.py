@@ -38,6 +38,18 @@ class ToyDPRegressor(keras.Model):
         clip_norm: float. C. Defaults to 1.
         seed: int or None. Seed of the sampling and noise (tests only: it
             warns `ReproducibleNoiseWarning`).
+
+    Example:
+
+    >>> import kdpemb
+    >>> model = kdpemb.testing.ToyDPRegressor(
+    ...     num_examples=32, num_features=3, noise_multiplier=1.0,
+    ...     sampling_probability=0.25)
+    >>> model.compile(optimizer="sgd")
+    >>> data = kdpemb.testing.toy_regression_data(32, 3, steps_per_epoch=1)
+    >>> history = model.fit(data, epochs=1, verbose=0)  # one private step
+    >>> kdpemb.privacy.protocol.read_private_steps(model)
+    1
     """
 
     def __init__(
@@ -139,7 +151,17 @@ class ToyDPRegressor(keras.Model):
 
 
 class FullBatchSequence(keras.utils.PyDataset):
-    """Yields the whole dataset `steps_per_epoch` times per epoch."""
+    """Yields the whole dataset `steps_per_epoch` times per epoch.
+
+    Example:
+
+    >>> import kdpemb
+    >>> data = kdpemb.testing.toy_regression_data(32, 3, steps_per_epoch=2)
+    >>> isinstance(data, kdpemb.testing.FullBatchSequence), len(data)
+    (True, 2)
+    >>> [array.shape for array in data[0]]  # every batch is the whole set
+    [(32, 3), (32,)]
+    """
 
     def __init__(self, x, y, steps_per_epoch, **kwargs):
         super().__init__(**kwargs)
@@ -155,7 +177,15 @@ class FullBatchSequence(keras.utils.PyDataset):
 
 
 def toy_regression_data(num_examples, num_features, steps_per_epoch, seed=0):
-    """A noisy linear regression set, as a `FullBatchSequence`."""
+    """A noisy linear regression set, as a `FullBatchSequence`.
+
+    Example:
+
+    >>> import kdpemb
+    >>> x, y = kdpemb.testing.toy_regression_data(16, 2, steps_per_epoch=1)[0]
+    >>> x.shape, y.shape
+    ((16, 2), (16,))
+    """
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(num_examples, num_features)).astype("float32")
     w = rng.normal(size=(num_features,)).astype("float32")
