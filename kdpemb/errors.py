@@ -248,7 +248,19 @@ class PrivacyBudgetExhaustedError(RuntimeError):
 class LostReleaseError(RuntimeError):
     """A one-off release that the accounting counts once is missing from a
     model that has already taken private steps: releasing it again would
-    spend privacy that no statement counts."""
+    spend privacy that no statement counts.
+
+    Example:
+
+    `LastLayerDPClassifier(method="dp-fc")` raises it before any release
+    when it resumes (its `private_steps` raised by
+    `kdpemb.callbacks.PrivacyLedger`) from a checkpoint older than the
+    release of its feature covariance:
+
+    >>> from kdpemb.errors import LostReleaseError
+    >>> issubclass(LostReleaseError, RuntimeError)
+    True
+    """
 
 
 class RoundTruncationError(RuntimeError):

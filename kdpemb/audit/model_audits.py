@@ -61,6 +61,15 @@ __all__ = [
 ]
 
 MODES = ("white-box", "black-box")
+"""What an audit observes, for `mode=`: "white-box" (the release of each
+step) or "black-box" (only the final model).
+
+Example:
+
+>>> from kdpemb.audit import model_audits
+>>> model_audits.MODES
+('white-box', 'black-box')
+"""
 _OTHER_COORDINATES = 4  # Inputs of the ordinary examples.
 
 
@@ -194,6 +203,12 @@ def audit_dp_model(
 
     Returns:
         `AuditResult`.
+
+    Example:
+
+    >>> result = audit_dp_model(noise_multiplier=2.0, delta=1e-5, trials=200, seed=0)
+    >>> result.violated, result.trials
+    (False, 200)
     """
     from kdpemb.models import DPModel
 
@@ -275,6 +290,12 @@ def audit_last_layer_dp_sgd(
 
     Returns:
         `AuditResult`.
+
+    Example:
+
+    >>> result = audit_last_layer_dp_sgd(2.0, 1e-5, trials=200, seed=0)
+    >>> result.violated
+    False
     """
     from kdpemb.models import LastLayerDPClassifier
 
@@ -376,6 +397,12 @@ def audit_fedemb_round(
 
     Returns:
         `AuditResult`.
+
+    Example:
+
+    >>> result = audit_fedemb_round(2.0, 1e-5, trials=100, seed=0)
+    >>> result.violated
+    False
     """
     from kdpemb.models import FedEmbModel
     from kdpemb.privacy import Schedule
@@ -453,6 +480,12 @@ def audit_last_layer_dp_ls(
 
     Returns:
         `AuditResult`.
+
+    Example:
+
+    >>> result = audit_last_layer_dp_ls(2.0, 1e-5, trials=100, seed=0)
+    >>> result.violated
+    False
     """
     from kdpemb.models import LastLayerDPClassifier
 
