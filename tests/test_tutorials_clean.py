@@ -33,6 +33,9 @@ def source(cell):
 
 def test_there_are_tutorials():
     assert [path.stem for path in NOTEBOOKS] == [
+        "dp_fedemb",
+        "dp_sgd",
+        "last_layer_dp",
         "privacy_accounting",
     ]
 

@@ -21,7 +21,8 @@ Notebooks run under JAX (`KERAS_BACKEND=jax`) with
 Fashion-MNIST from local files, else the notebook's synthetic fallback),
 each in its own working directory under `build/tutorials/work/`, with a
 time limit per notebook. A cell error or a time-out fails the run; the
-executed copies are written to `build/tutorials/executed/` (the notebooks
+executed copies (as far as they ran) are written to
+`build/tutorials/executed/` (the notebooks
 in the repository keep no outputs: tests/test_tutorials_clean.py). Each
 notebook's wall time is printed.
 """
@@ -131,8 +132,7 @@ def check_not_installed(venv, env, workdir):
         )
 
 
-async def execute(path, workdir, limit):
-    notebook = nbformat.read(path, as_version=4)
+async def execute(notebook, workdir, limit):
     client = NotebookClient(
         notebook,
         kernel_name=KERNEL,
@@ -140,7 +140,6 @@ async def execute(path, workdir, limit):
         resources={"metadata": {"path": str(workdir)}},
     )
     await asyncio.wait_for(client.async_execute(), timeout=limit)
-    return notebook
 
 
 def main(argv=None):
@@ -163,16 +162,16 @@ def main(argv=None):
         workdir.mkdir(parents=True)
         check_not_installed(venv, os.environ, workdir)
         print(f"{path.relative_to(ROOT)} ...", flush=True)
+        notebook = nbformat.read(path, as_version=4)
         start = time.perf_counter()
         try:
-            executed = asyncio.run(execute(path, workdir, limit))
+            asyncio.run(execute(notebook, workdir, limit))
         except TimeoutError:
             failures.append(f"{path.name}: more than {limit:g} s")
         except Exception as error:  # A cell's error: its traceback, then on.
             print(str(error)[-4000:], file=sys.stderr)
             failures.append(f"{path.name}: {type(error).__name__}")
-        else:
-            nbformat.write(executed, BUILD / "executed" / path.name)
+        nbformat.write(notebook, BUILD / "executed" / path.name)  # As far as it ran.
         times[path.name] = time.perf_counter() - start
         print(f"  {times[path.name]:.1f} s", flush=True)
     total = time.perf_counter() - started
