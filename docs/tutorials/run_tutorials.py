@@ -9,8 +9,9 @@ whose Python environment does *not* contain kdpemb: a virtual environment
 in `build/tutorials/venv` that sees the packages of the running
 interpreter (Keras, TensorFlow, JAX, dp-accounting, ...) through a `.pth`
 path line, which does not process that environment's own `.pth` files, so
-an editable kdpemb there is invisible. The notebook's first code cell then
-installs kdpemb as on Colab, with `%pip install`, from
+an editable kdpemb there is invisible; it is made anew for each notebook.
+The notebook's first code cell then installs kdpemb as on Colab, with
+`%pip install`, from
 `KDPEMB_INSTALL_SOURCE` = this working tree (`--no-deps`: the
 dependencies are there already). The runner checks beforehand that
 `import kdpemb` fails in that environment, so a notebook passes only if
@@ -65,7 +66,8 @@ def notebooks(names):
 
 
 def kernel_environment():
-    """A venv without kdpemb that sees this interpreter's packages; its kernel."""
+    """A new venv without kdpemb that sees this interpreter's packages; its
+    kernel spec."""
     venv = BUILD / "venv"
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run(
@@ -151,7 +153,7 @@ def main(argv=None):
     limit = args.limit or (FULL_LIMIT_S if args.full else SMALL_LIMIT_S)
     paths = notebooks(args.names)
     started = time.perf_counter()
-    venv = kernel_environment()
+    venv = BUILD / "venv"
     os.environ.update(environment(venv, small=not args.full))
     os.environ.pop("PYTHONPATH", None)
     (BUILD / "executed").mkdir(parents=True, exist_ok=True)
@@ -160,6 +162,7 @@ def main(argv=None):
         workdir = BUILD / "work" / path.stem
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
+        kernel_environment()  # Anew: the last notebook installed kdpemb.
         check_not_installed(venv, os.environ, workdir)
         print(f"{path.relative_to(ROOT)} ...", flush=True)
         notebook = nbformat.read(path, as_version=4)
