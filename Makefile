@@ -5,10 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-LINT_PATHS := kdpemb tests examples benchmarks
+LINT_PATHS := kdpemb tests examples benchmarks docs/tutorials
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test lint test-tensorflow test-jax bench docs clean
+.PHONY: demo test lint test-tensorflow test-jax bench docs tutorials clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The tutorial notebooks (docs/tutorials), each executed headless at its
+# small size under JAX in a fresh kernel whose first cell installs kdpemb
+# from this tree, as on Colab. Not part of `make test`; CI runs it after.
+# TUTORIALS=dp_sgd runs one; docs/tutorials/run_tutorials.py --full by hand.
+tutorials: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[tutorials]"
+	$(PY) docs/tutorials/run_tutorials.py $(TUTORIALS)
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache
