@@ -94,11 +94,16 @@ def check_norms_and_sum(model, x, expect_methods=None, mode="auto", atol=1e-5):
     mask = np.array([True] * (len(x) - 1) + [False])
     clipped, _ = compiled(engine)(params, fixed, x, y, mask)
     for k in range(len(params)):
-        want = sum(
+        terms = [
             clip * g[k] / n for g, n, m in zip(brute, expected, mask, strict=True) if m
-        )
+        ]
+        want = sum(terms)
         got = keras.ops.convert_to_numpy(clipped.total[k])
-        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5)
+        # Each term is off by at most the norms' relative error (2e-3), so
+        # their sum by that much of the sum of their magnitudes: terms that
+        # cancel leave a small entry with a larger relative error.
+        bound = 2e-3 * sum(np.abs(term) for term in terms) + 1e-6
+        assert np.all(np.abs(got - want) <= bound), (got, want, bound)
     assert int(clipped.count) == len(x) - 1
     return plan
 
