@@ -1,7 +1,16 @@
-"""The example scripts run and print what their docstrings promise."""
+"""The example scripts run and print what their docstrings promise.
 
+Most run in this process (`main()` with its command line, stdout
+captured): the same code as `python examples/<name>.py ...`, without
+starting Python and the backend again for each. The main job's first test
+runs it as a user would, in its own process, to check its console output.
+"""
+
+import contextlib
+import io
 import json
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -10,15 +19,24 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
+def call_example(name, *args):
+    """Calls the `main()` of `examples/<name>` with command-line `args`."""
+    path = EXAMPLES / name
+    namespace = runpy.run_path(str(path), run_name=f"example_{path.stem}")
+    argv = sys.argv
+    sys.argv = [str(path), *args]
+    try:
+        return namespace["main"]()
+    finally:
+        sys.argv = argv
+
+
 def run_example(name, *args):
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    """Runs `examples/<name>` with command-line `args`; returns its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        call_example(name, *args)
+    return out.getvalue()
 
 
 def test_privacy_calculator_states_each_documented_schedule():
@@ -52,7 +70,8 @@ def test_virtual_clients_example_prints_a_round_and_its_privacy():
 
 
 def run_main_job(tmp_path, *args):
-    """Runs the main job in --quick mode; returns (stdout, stderr, run dir)."""
+    """Runs the main job in --quick mode in its own process; returns
+    (stdout, stderr, run dir)."""
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_dp_fedemb.py"), "--quick",
          "--runs-dir", str(tmp_path), *args],
@@ -61,6 +80,10 @@ def run_main_job(tmp_path, *args):
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     return result.stdout, result.stderr, run_dir
+
+
+def main_job_args(tmp_path, *args):
+    return ("train_dp_fedemb.py", "--quick", "--runs-dir", str(tmp_path), *args)
 
 
 @pytest.mark.slow
@@ -101,23 +124,22 @@ def test_the_main_job_writes_its_run_and_states_a_simulated_deployment(tmp_path)
     assert backbone.output_shape == (None, results["sizes"]["embedding_dim"])
 
 
-def test_the_main_job_refuses_a_bad_deployment_before_training(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_dp_fedemb.py"), "--quick",
-         "--runs-dir", str(tmp_path), "--deployment-users", "100"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "ValueError" in result.stderr and "deployment_users" in result.stderr
-    assert "pretraining" not in result.stdout  # Refused before any training.
+def test_the_main_job_refuses_a_bad_deployment_before_training(tmp_path, capsys):
+    with pytest.raises(ValueError, match="deployment_users"):
+        call_example(*main_job_args(tmp_path, "--deployment-users", "100"))
+    out = capsys.readouterr().out
+    assert "pretraining" not in out  # Refused before any training.
 
 
 @pytest.mark.slow
 def test_the_main_job_can_calibrate_for_the_runs_own_epsilon(tmp_path):
     # A given C: no public probe (the other test runs it), and the flag's path.
-    out, _, run_dir = run_main_job(
-        tmp_path, "--own-epsilon", "5", "--no-reference", "--clip-norm", "0.5"
+    out = run_example(
+        *main_job_args(
+            tmp_path, "--own-epsilon", "5", "--no-reference", "--clip-norm", "0.5"
+        )
     )
+    (run_dir,) = tmp_path.iterdir()
     results = json.loads((run_dir / "results.json").read_text())
     assert results["clip_norm"] == 0.5
     assert results["clip_norm_source"] == "--clip-norm"
