@@ -101,12 +101,6 @@ def main(argv=None):
     parser.add_argument("--output", default="build/last_layer_dp_ls.keras")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
     args = parser.parse_args(argv)
-    try:  # dp-accounting's RDP bound logs convergence notes while calibrating.
-        import absl.logging
-
-        absl.logging.set_verbosity("error")
-    except ImportError:
-        pass
     size = SIZES["quick" if args.quick else "full"]
     cache = pathlib.Path(args.cache)
 
