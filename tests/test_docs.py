@@ -26,16 +26,47 @@ def test_docstring_examples_run(name):
     assert result.failed == 0
 
 
+# A block that builds on the one before it on its page says so on its
+# first line; every other block runs on its own, as a reader pastes it.
+CONTINUATION = "# Continues the previous block."
+
+
 def python_blocks(page):
     return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
+def block_chains(blocks):
+    """Blocks grouped into chains: a block and the continuations after it."""
+    chains = []
+    for block in blocks:
+        if block.startswith(CONTINUATION):
+            assert chains, f"the first block of a page cannot continue: {block[:80]}"
+            chains[-1].append(block)
+        else:
+            chains.append([block])
+    return chains
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_python_blocks_of_the_docs_run(page, tmp_path, monkeypatch):
+    # Each chain in a fresh namespace: a block that uses a name from an
+    # earlier block without saying it continues it fails here.
     monkeypatch.chdir(tmp_path)
-    namespace = {}
-    for block in python_blocks(page):
-        exec(compile(block, str(page), "exec"), namespace)
+    for chain in block_chains(python_blocks(page)):
+        namespace = {}
+        for block in chain:
+            exec(compile(block, str(page), "exec"), namespace)
+
+
+def test_a_block_that_uses_an_earlier_blocks_names_fails_unless_it_continues():
+    blocks = ["x = 1\n", "print(x)\n"]
+    chains = block_chains(blocks)
+    assert chains == [["x = 1\n"], ["print(x)\n"]]
+    with pytest.raises(NameError):
+        exec(chains[1][0], {})
+    assert block_chains(["x = 1\n", f"{CONTINUATION}\nprint(x)\n"]) == [
+        ["x = 1\n", f"{CONTINUATION}\nprint(x)\n"]
+    ]
 
 
 @pytest.mark.parametrize(
