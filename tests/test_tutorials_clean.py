@@ -9,15 +9,21 @@ Strip outputs before committing: Jupyter's "Clear All Outputs", or
 import json
 import pathlib
 import re
+import tomllib
 
 import pytest
 
-TUTORIALS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "tutorials"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TUTORIALS = ROOT / "docs" / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
-COLAB = (
-    "https://colab.research.google.com/github/kdpemb/kdpemb/blob/main/docs/tutorials/"
-)
-REPOSITORY = '"git+https://github.com/kdpemb/kdpemb"'
+# The repository's address is written once, in pyproject.toml; the badges
+# and the install cells must use it.
+URL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"][
+    "Repository"
+]
+GITHUB = URL.removeprefix("https://github.com/")
+COLAB = f"https://colab.research.google.com/github/{GITHUB}/blob/main/docs/tutorials/"
+REPOSITORY = f'"git+{URL}"'
 
 
 def load(path):
@@ -46,6 +52,8 @@ def test_outputs_are_stripped(path):
         if cell["cell_type"] == "code":
             assert cell.get("outputs") == [], f"cell {number} has outputs"
             assert cell.get("execution_count") is None, f"cell {number} was run"
+        # Run timings (Jupyter, nbclient) and Colab's ids live here.
+        assert cell.get("metadata", {}) == {}, f"cell {number} has metadata"
         assert "attachments" not in cell, f"cell {number} has attachments"
     assert "widgets" not in load(path)["metadata"]
 
