@@ -24,6 +24,7 @@ _SUBMODULES = (
     "cli",
     "data",
     "datasets",
+    "distribute",
     "features",
     "metrics",
     "models",

@@ -19,6 +19,7 @@ __all__ = [
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
     "DegenerateFeaturesWarning",
+    "HostsDisagreeError",
     "LostReleaseError",
     "NonFiniteFeaturesError",
     "PrivacyBudgetExhaustedError",
@@ -309,4 +310,17 @@ class DatasetNotFoundError(FileNotFoundError):
     kdpemb.errors.DatasetNotFoundError: MNIST was not found. Looked in:
       - path='/no/such/dir': does not exist
     ...
+    """
+
+
+class HostsDisagreeError(RuntimeError):
+    """The hosts of a multi-host job do not hold the same round plan,
+    weights or step count, so a round would mix samples or models.
+
+    Raised on every host before the first round; nothing was trained.
+
+    Example:
+
+    >>> issubclass(HostsDisagreeError, RuntimeError)
+    True
     """

@@ -7,7 +7,10 @@ file where the last good one was. `save_model` and `save_weights` here
 write to a temporary file in the same directory, fsync it and
 `os.replace` it onto the target, so the target is always either the
 previous complete file or the new one. `kdpemb.callbacks.AtomicBackupAndRestore`
-saves its backups this way. Importing this module imports Keras.
+saves its backups this way. On several hosts (`kdpemb.distribute`) every
+host must call them, as the same script does (reading a variable may be
+a collective), and only the chief's file is kept.
+Importing this module imports Keras.
 
 Example:
 
@@ -20,6 +23,10 @@ Example:
 >>> os.listdir(os.path.dirname(path))
 ['model.weights.h5']
 """
+
+import contextlib
+import os
+import tempfile
 
 import keras
 
@@ -47,7 +54,7 @@ def save_model(model, filepath, **kwargs):
     >>> files, restored.count_params()
     (['model.keras'], 4)
     """
-    with _atomic.atomic_path(filepath) as temporary:
+    with _target(model, filepath) as temporary:
         keras.saving.save_model(model, temporary, **kwargs)
 
 
@@ -73,5 +80,26 @@ def save_weights(model, filepath, **kwargs):
             "save_weights writes one file atomically; sharded weights "
             "(max_shard_size) are several files. Save without max_shard_size."
         )
-    with _atomic.atomic_path(filepath) as temporary:
+    with _target(model, filepath) as temporary:
         model.save_weights(temporary, **kwargs)
+
+
+@contextlib.contextmanager
+def _target(model, filepath):
+    """Where to save: a temporary file moved onto `filepath` on the chief,
+    a scratch file deleted afterwards on the other hosts (every host runs
+    the save: reading a variable may be a collective of the engine)."""
+    if writes_here(model):
+        with _atomic.atomic_path(filepath) as temporary:
+            yield temporary
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        yield os.path.join(scratch, os.path.basename(os.fspath(filepath)))
+
+
+def writes_here(model):
+    """True unless this is a host other than the chief of a multi-host job
+    (`kdpemb.distribute.current_hosts`): one host writes each file."""
+    from kdpemb import distribute
+
+    return distribute.current_hosts(model).is_chief

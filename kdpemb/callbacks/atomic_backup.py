@@ -20,7 +20,9 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     replaced first; a kill before the metadata follows leaves new weights
     (their `private_steps` included) with the previous epoch number, from
     which Keras reruns that epoch. Arguments and restoring are Keras';
-    `backup_dir` must be a local directory.
+    `backup_dir` must be a local directory. On several hosts
+    (`kdpemb.distribute`) only the chief writes and deletes the backup, and
+    every host restores from it: give them one shared directory.
 
     Use it with `kdpemb.callbacks.PrivacyLedger` after it, so that steps
     run after the last backup are still counted:
@@ -40,7 +42,8 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def _save_model(self):
-        if self.double_checkpoint:
+        chief = saving.writes_here(self.model)  # Writes every file here.
+        if self.double_checkpoint and chief:
             for source, copy in (
                 (self._weights_path, self._prev_weights_path),
                 (self._training_metadata_path, self._prev_training_metadata_path),
@@ -49,7 +52,13 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
                     with _atomic.atomic_path(copy) as temporary:
                         shutil.copyfile(source, temporary)
         saving.save_weights(self.model, self._weights_path, overwrite=True)
+        if not chief:
+            return
         _atomic.write_text(
             self._training_metadata_path,
             json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen}),
         )
+
+    def on_train_end(self, logs=None):
+        if saving.writes_here(self.model):  # The chief deletes the backup.
+            super().on_train_end(logs)

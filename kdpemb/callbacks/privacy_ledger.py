@@ -4,6 +4,7 @@ import os
 
 import keras
 
+from kdpemb import distribute
 from kdpemb.privacy import ledger
 from kdpemb.privacy.protocol import (
     check_private_model,
@@ -45,7 +46,9 @@ class PrivacyLedger(keras.callbacks.Callback):
     `kdpemb.privacy.ledger_statement` states it even if the run is never
     resumed). Each private step costs one small atomic file write: about
     10 ms with `durable=True` (fsync) and 0.7 ms without on a container's
-    overlay disk, less on a local SSD.
+    overlay disk, less on a local SSD. On several hosts (`kdpemb.distribute`)
+    the chief alone reads and writes the ledger and shares its count: give
+    every host the same path.
 
     Args:
         path: str or path. The ledger file (JSON), e.g. next to the backup.
@@ -100,15 +103,17 @@ class PrivacyLedger(keras.callbacks.Callback):
         self._floor = 0
         self._counted = 0
         self._batch_begin = 0
+        self._hosts = distribute.Hosts.single()
 
     def on_train_begin(self, logs=None):
         model = self.model
         self._mechanism = check_private_model(model)
-        record = ledger.read_ledger(self.path, self._mechanism, self._model_name())
+        self._hosts = distribute.current_hosts(model)
+        recorded = self._read_on_chief()
         steps = read_private_steps(model)
         self.restored_steps = 0
-        counted = steps if record is None else max(record["steps"], steps)
-        raised = steps if record is None else resume_steps(model, counted)
+        counted = steps if recorded is None else max(recorded, steps)
+        raised = steps if recorded is None else resume_steps(model, counted)
         if raised > steps:
             self.restored_steps = raised - steps
             if self.verbose:
@@ -152,9 +157,37 @@ class PrivacyLedger(keras.callbacks.Callback):
     def _model_name(self):
         return type(self.model).__name__
 
+    def _read_on_chief(self):
+        """The ledger's step count, or None: read by the chief and shared,
+        so every host raises `private_steps` alike (and a refusal stops
+        every host)."""
+        code = 0  # 0: no ledger, 1: refused, 2 + n: n steps.
+        refusal = None
+        if self._hosts.is_chief:
+            try:
+                record = ledger.read_ledger(
+                    self.path, self._mechanism, self._model_name()
+                )
+            except ValueError as error:
+                if self._hosts.count == 1:
+                    raise
+                code, refusal = 1, error
+            else:
+                code = 0 if record is None else 2 + record["steps"]
+        code = self._hosts.broadcast_int(code)
+        if code == 1:
+            if refusal is not None:
+                raise refusal
+            raise ValueError(
+                f"The chief refused the privacy ledger {self.path} (its error "
+                "says why); nothing was trained."
+            )
+        return None if code == 0 else code - 2
+
     def _write(self, steps):
         self._record["steps"] = int(steps)
-        ledger.write_record(self.path, self._record, self.durable)
+        if self._hosts.is_chief:  # One host writes the shared ledger.
+            ledger.write_record(self.path, self._record, self.durable)
 
     def _execution_steps(self, batch):
         """Steps the execution that begins at `batch` runs (at most)."""

@@ -1,5 +1,6 @@
 """`VirtualClients`: user data as fixed-shape DP-FedEmb training rounds."""
 
+import hashlib
 import math
 import numbers
 import secrets
@@ -335,6 +336,10 @@ class VirtualClients(keras.utils.PyDataset):
         # that prepare rounds.
         self._layout_lock = threading.Lock()
         self._layouts = {}
+        # Which slice of every round's client rows this process serves
+        # (`join_hosts`); one host serves them all.
+        self.host_index, self.host_count = 0, 1
+        self._seed_is_fixed = seed is not None
         if seed is None:
             self._root_seed = secrets.randbits(128)
         else:
@@ -604,8 +609,9 @@ class VirtualClients(keras.utils.PyDataset):
 
     @property
     def element_spec(self):
-        """`{key: (shape, dtype)}` of one round."""
-        m, s, b = self.max_clients_per_round, self.local_steps, self.batch_size
+        """`{key: (shape, dtype)}` of one round as this host serves it
+        (`rows_per_host` rows; all `max_clients_per_round` on one host)."""
+        m, s, b = self.rows_per_host, self.local_steps, self.batch_size
         grid = (m, s, b)
         return {
             "images": ((*grid, *self.image_shape), np.dtype(self._images.dtype)),
@@ -858,12 +864,105 @@ class VirtualClients(keras.utils.PyDataset):
 
     def round(self, round_index):
         """The arrays of one round (see the class docstring)."""
-        plans = self.plan_round(round_index)
-        m, s, b = self.max_clients_per_round, self.local_steps, self.batch_size
+        plans = list(self.plan_round(round_index).values())
+        return self._round_arrays(round_index, plans, self.max_clients_per_round)
+
+    def host_round(self, round_index):
+        """This host's slice of round `round_index`: what training reads.
+
+        On one host, the whole round. After `join_hosts`, host h of H
+        builds the `max_clients_per_round // H` rows of the round's
+        clients h, h + H, h + 2H, ... of `plan_round` (so every host
+        trains about as many clients), and reads the examples of those
+        clients only.
+        """
+        plans = list(self.plan_round(round_index).values())
+        rows = plans[self.host_index :: self.host_count]
+        return self._round_arrays(round_index, rows, self.rows_per_host)
+
+    @property
+    def rows_per_host(self):
+        """Client rows of a round that each host builds."""
+        return self.max_clients_per_round // self.host_count
+
+    def join_hosts(self, hosts):
+        """Makes this the slice of one round plan shared by every host.
+
+        `FedEmbModel.fit` calls it on every host before the first round,
+        under a multi-host engine (`kdpemb.distribute.current_hosts`). The
+        sampling seed becomes the chief's (drawn from OS entropy there;
+        a fixed `seed` must be the same on every host), every host is at
+        the same epoch of rounds (a new one if they were not), and the
+        plan (seed, settings, user index; not the pixels) is compared
+        across hosts: any difference raises
+        `kdpemb.errors.HostsDisagreeError` on every host. From then on
+        this host serves only its rows (`host_round`).
+
+        Args:
+            hosts: `kdpemb.distribute.Hosts`.
+
+        Example:
+
+        >>> from kdpemb.distribute import Hosts
+        >>> clients = VirtualClients(np.zeros((8, 2, 2, 1)), np.zeros(8, int),
+        ...                          np.arange(8), clients_per_round=2)
+        >>> clients.join_hosts(Hosts.single())
+        >>> clients.host_count, clients.rows_per_host == clients.max_clients_per_round
+        (1, True)
+        """
+        if self.max_clients_per_round % hosts.count:
+            size = -(-self.max_clients_per_round // hosts.count) * hosts.count
+            raise ValueError(
+                f"The rounds hold max_clients_per_round="
+                f"{self.max_clients_per_round} client rows, which do not split "
+                f"over {hosts.count} hosts; build the VirtualClients with "
+                f"max_clients_per_round={size}."
+            )
+        if hosts.count > 1 and not self._seed_is_fixed:
+            self._root_seed = hosts.shared_bits(128)
+            with self._layout_lock:
+                self._layouts = {}
+        # The same current epoch everywhere: unchanged where the hosts agree
+        # (fresh clients), else a new one that no host has served.
+        epochs = hosts.gather_ints([self._epoch, self._epochs_claimed])
+        if any(row != epochs[0] for row in epochs):
+            with self._epoch_lock:
+                self._epochs_claimed = max(row[1] for row in epochs)
+            self._epoch = self._claim_epoch()
+        hosts.check_agree({"round plan": self.plan_fingerprint()})
+        self.host_index, self.host_count = hosts.index, hosts.count
+
+    def plan_fingerprint(self):
+        """Bytes that differ between two `VirtualClients` whose rounds may
+        differ: the seed, the next epoch, the settings and the user index
+        (for `join_hosts`; the seed is in it, so keep it private)."""
+        digest = hashlib.blake2b(digest_size=32)
+        settings = (
+            self._root_seed,
+            self._epochs_claimed,
+            repr(self.schedule),
+            self.max_clients_per_round,
+            self.max_examples_per_client,
+            self.batch_size,
+            self.rounds_per_epoch,
+            self.client_order,
+            self.num_classes,
+            self.image_shape,
+            str(np.dtype(self._images.dtype)),
+        )
+        digest.update(repr(settings).encode())
+        digest.update(np.ascontiguousarray(self._keys).tobytes())
+        digest.update(np.ascontiguousarray(self._user_offsets).tobytes())
+        return digest.digest()
+
+    def _round_arrays(self, round_index, plans, m):
+        """The round's arrays over `m` rows, the first `len(plans)` from
+        `plans` (in order) and the rest masked."""
+        s, b = self.local_steps, self.batch_size
         index = np.full((m, s, b), -1, dtype=np.int64)
         local = np.zeros((m, s, b), dtype=np.int32)
         num_local = np.zeros(m, dtype=np.int32)
-        for row, plan in enumerate(plans.values()):
+        for row, plan in enumerate(plans):
             grid = plan.example_index
             index[row] = grid
             used = grid >= 0
@@ -921,7 +1020,7 @@ class VirtualClients(keras.utils.PyDataset):
                 f"round {index} is out of range for an epoch of "
                 f"{self.rounds_per_epoch} rounds."
             )
-        return self.round(epoch * self.rounds_per_epoch + index)
+        return self.host_round(epoch * self.rounds_per_epoch + index)
 
     def __getitem__(self, index):
         """Round `index` of the current Keras epoch (same index, same round)."""

@@ -27,6 +27,7 @@ from kdpemb.models import (
     backends,
     fedemb_round,
     heads,
+    multi_host,
     privacy_plan,
     private_state,
 )
@@ -490,14 +491,15 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         self.built = True
         self._freeze_settings()
 
-    def _reseed(self):
+    def _reseed(self, hosts):
         # With seed=None the noise comes from OS entropy, drawn afresh at
         # construction and at every fit, so no generator state anyone has
-        # seen (a copied model, a checkpoint) predicts later noise.
+        # seen (a copied model, a checkpoint) predicts later noise. On
+        # several hosts it is the chief's entropy, the same everywhere.
         generators = [self.noise_seed, self.head_seed]
         if self.adaptive_clipping is not None:
             generators.append(self.count_seed)
-        private_state.reseed(generators, self.seed)
+        private_state.reseed(generators, self.seed, randbits=hosts.shared_bits)
 
     # ------------------------------------------------------- schedule --
 
@@ -773,8 +775,15 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             if image_shape is not None:
                 _check_image_shape(self.backbone, image_shape, "the rounds")
             self._head_columns = None
+        hosts, x, kwargs = multi_host.prepare_fit(self, x, clients, kwargs)
         arguments = privacy_plan.fit_arguments(args, kwargs)
         verbose = privacy_plan.is_verbose(arguments)
+        if hosts.count > 1:
+            callbacks = privacy_plan.with_guard(
+                arguments.get("callbacks"), multi_host.HostsGuard(hosts), self
+            )
+            arguments = {**arguments, "callbacks": callbacks}
+            args, kwargs = (), arguments
         if self._schedule.sampling == "epochs":
             self._check_epoch_alignment(arguments)
             # Checked again after every other callback (one may restore a
@@ -803,7 +812,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             )
             callbacks = privacy_plan.with_guard(arguments.get("callbacks"), guard, self)
             args, kwargs = (), {**arguments, "callbacks": callbacks}
-        self._reseed()
+        self._reseed(hosts)
         schedule = self._schedule
         if verbose and self.train_function is None:
             print(
@@ -1159,7 +1168,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                     logs[name] = ops.where(
                         within_plan, logs[name], ops.zeros_like(logs[name])
                     )
-        return logs
+        return plumbing.replica_logs(logs)
 
     def _epoch_aligned(self, data):
         """With rounds without sampling (`VirtualClients` rounds say their
@@ -1442,18 +1451,12 @@ def _check_strategy(model):
         return
     import tensorflow as tf
 
-    if isinstance(
-        strategy,
-        (
-            tf.distribute.MultiWorkerMirroredStrategy,
-            tf.distribute.experimental.ParameterServerStrategy,
-        ),
-    ):
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         raise NotImplementedError(
-            f"FedEmbModel does not support {type(strategy).__name__} yet: each "
-            "worker would sample its own rounds, so one step would mix "
-            "independent samples and the accounting would not hold. Use "
-            "MirroredStrategy on one machine, or keras.distribution on JAX."
+            "FedEmbModel does not support ParameterServerStrategy: its workers "
+            "step asynchronously, so a round would not be one sum of the "
+            "sampled clients. Use MultiWorkerMirroredStrategy on several "
+            "machines, MirroredStrategy on one."
         )
 
 

@@ -36,6 +36,7 @@ import warnings
 import keras
 
 from kdpemb import _validation as validation
+from kdpemb import distribute
 from kdpemb.errors import ReproducibleNoiseWarning
 from kdpemb.privacy import gaussian_sum
 
@@ -73,7 +74,8 @@ def noise_seed_generators(seed, names, owner):
         owner: str. The model's name, for the warning.
 
     Returns:
-        list of `keras.random.SeedGenerator`.
+        list of `keras.random.SeedGenerator`, the same on every host of a
+        multi-host job (`kdpemb.distribute`): the chief draws the entropy.
     """
     seed = validation.check_seed(seed)
     if seed is not None:
@@ -88,12 +90,17 @@ def noise_seed_generators(seed, names, owner):
         keras.random.SeedGenerator(0 if seed is None else int(seed) + index, name=name)
         for index, name in enumerate(names)
     ]
-    return reseed(generators, seed)
+    # On several hosts every host must hold the same state: the chief's.
+    return reseed(generators, seed, distribute.current_hosts().shared_bits)
 
 
-def reseed(generators, seed):
-    """Fresh OS entropy in every generator when `seed` is None; returns them."""
+def reseed(generators, seed, randbits=None):
+    """Fresh OS entropy in every generator when `seed` is None; returns them.
+
+    `randbits(bits)` draws the entropy (default `secrets.randbits`; on
+    several hosts the chief's draw, `kdpemb.distribute.Hosts.shared_bits`).
+    """
     if seed is None:
         for generator in generators:
-            gaussian_sum.reseed_from_entropy(generator)
+            gaussian_sum.reseed_from_entropy(generator, randbits)
     return generators

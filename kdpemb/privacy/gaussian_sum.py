@@ -297,7 +297,7 @@ def clip_and_sum(updates, clip_norm, mask=None):
     return clipped_sum_from_norms(global_norms(updates), clip_norm, weighted_sum, mask)
 
 
-def reseed_from_entropy(seed_generator):
+def reseed_from_entropy(seed_generator, randbits=None):
     """Sets a `SeedGenerator`'s whole state from OS entropy; returns it.
 
     `keras.random.SeedGenerator(None)` seeds itself from Python's `random`
@@ -305,7 +305,9 @@ def reseed_from_entropy(seed_generator):
     predictable, and 30 bits can be searched. DP noise needs neither. This
     fills both words of the state from `secrets` (64 bits on JAX; about 62
     on TensorFlow, where Keras reduces each word modulo 2³¹ − 2). Call it
-    again whenever the state may be known, e.g. at every `fit`.
+    again whenever the state may be known, e.g. at every `fit`. `randbits`
+    (default `secrets.randbits`) draws the bits; on several hosts it is
+    the chief's draw, shared, so every host adds the same noise.
 
     Example:
 
@@ -319,7 +321,8 @@ def reseed_from_entropy(seed_generator):
     bits = 32 if dtype in ("uint32", "int32") else 62
     if dtype == "int32":
         bits = 31
-    words = np.array([secrets.randbits(bits), secrets.randbits(bits)], dtype=dtype)
+    randbits = secrets.randbits if randbits is None else randbits
+    words = np.array([randbits(bits), randbits(bits)], dtype=dtype)
     state.assign(words)
     return seed_generator
 

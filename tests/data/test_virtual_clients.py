@@ -639,8 +639,8 @@ def test_fit_never_trains_on_the_same_round_twice():
         batch_size=3, rounds_per_epoch=3,
     )  # fmt: skip
     served = []
-    build = clients.round
-    clients.round = lambda r: served.append(r) or build(r)
+    build = clients.host_round
+    clients.host_round = lambda r: served.append(r) or build(r)
     model = RoundConsumer()
     model.compile(optimizer=keras.optimizers.SGD(0.5))
     model.fit(clients, epochs=3, verbose=0)

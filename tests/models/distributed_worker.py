@@ -229,16 +229,17 @@ class WeightsPerRound(keras.callbacks.Callback):
 
 
 def record_served_rounds(clients):
-    """Wraps `clients.round` to record which rounds it served (and masks)."""
+    """Wraps `clients.host_round` (what training reads) to record which
+    rounds it served (and masks)."""
     served = []
-    build = clients.round
+    build = clients.host_round
 
     def round_(index):
         element = build(index)
         served.append({"index": int(index), "mask": element["client_mask"].tolist()})
         return element
 
-    clients.round = round_
+    clients.host_round = round_
     return served
 
 

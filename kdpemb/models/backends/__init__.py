@@ -17,6 +17,8 @@ differ between backends live here, the way Keras splits its own trainers:
   as a JAX `keras.distribution` program is).
 - `noise_share()`: 1 on the one replica that adds the round's noise, 0 on
   the others, so that summing the replicas' updates adds it exactly once.
+- `replica_logs(logs)`: the train step's logs in the form Keras reduces
+  over the replicas (TensorFlow's multi-worker strategy needs an axis).
 - `train_step(model, args, step)`: calls `step(data)` with the model's
   variables live: directly on TensorFlow, inside a `StatelessScope` on JAX.
 - `test_step(model, args, step)`: the same for evaluation.

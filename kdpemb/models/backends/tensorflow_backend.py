@@ -93,6 +93,20 @@ def noise_share():
     return tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
 
 
+def replica_logs(logs):
+    """`logs` as Keras reduces them over the strategy's replicas.
+
+    Under a `MultiWorkerMirroredStrategy` Keras averages each log along
+    axis 0 across all workers' replicas, which a scalar lacks: each log
+    is given one axis of length 1, and the average is the scalar again
+    (every replica holds the same synced value).
+    """
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return logs
+    return {name: tf.reshape(value, (1,)) for name, value in logs.items()}
+
+
 def train_step(model, args, step):
     """TensorFlow calls `train_step(data)` with live variables."""
     (data,) = args

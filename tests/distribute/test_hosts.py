@@ -1,0 +1,156 @@
+"""`Hosts` and `VirtualClients.join_hosts`, with hosts simulated by threads.
+
+Each thread is one host; their `all_gather` meets at a barrier, as the
+engines' collectives do. `test_fedemb_multi_host.py` runs real processes.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from kdpemb.data import VirtualClients
+from kdpemb.datasets import synthetic_identities
+from kdpemb.distribute import Hosts, current_hosts
+from kdpemb.errors import HostsDisagreeError
+
+
+def on_hosts(count, work):
+    """`[work(hosts) for each host]`, run concurrently; exceptions returned."""
+    barrier = threading.Barrier(count, timeout=30)
+    rows = [None] * count
+
+    def make(index):
+        def all_gather(words):
+            rows[index] = np.array(words, np.int32)
+            barrier.wait()
+            gathered = np.stack(rows)
+            barrier.wait()
+            return gathered
+
+        return Hosts(index, count, all_gather, engine="threads")
+
+    results = [None] * count
+
+    def run(index):
+        try:
+            results[index] = work(make(index))
+        except Exception as error:  # Returned to the test.
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def test_one_process_is_one_chief_host():
+    hosts = current_hosts()
+    assert (hosts.index, hosts.count, hosts.is_chief) == (0, 1, True)
+
+
+def test_ints_are_shared_exactly():
+    big = 2**255 + 12345
+    results = on_hosts(3, lambda h: h.gather_ints([h.index, big - h.index]))
+    expected = [[h, big - h] for h in range(3)]
+    assert results == [expected] * 3
+    assert on_hosts(3, lambda h: h.broadcast_int(10 + h.index)) == [10] * 3
+    assert on_hosts(3, lambda h: h.max_int(5 - h.index)) == [5] * 3
+
+
+def test_shared_bits_are_the_chiefs_fresh_draw():
+    first = on_hosts(2, lambda h: h.shared_bits(128))
+    second = on_hosts(2, lambda h: h.shared_bits(128))
+    assert first[0] == first[1] and second[0] == second[1]
+    assert first[0] != second[0]  # Fresh entropy each time (2^-128 to fail).
+    assert 0 <= first[0] < 2**128
+
+
+def test_every_host_refuses_when_one_differs():
+    results = on_hosts(
+        3, lambda h: h.check_agree({"weights": b"w", "plan": b"p" + bytes([h.index])})
+    )
+    for result in results:
+        assert isinstance(result, HostsDisagreeError)
+        assert "plan" in str(result) and "host(s) [1, 2]" in str(result)
+        assert "weights" not in str(result).split("(")[0]
+    assert on_hosts(2, lambda h: h.check_agree({"weights": b"w"})) == [None, None]
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="2\\*\\*256"):
+        Hosts.single().gather_ints([2**256])
+    with pytest.raises(ValueError, match="all_gather"):
+        Hosts(0, 2, None)
+    with pytest.raises(ValueError, match="not in"):
+        Hosts(2, 2, lambda w: w)
+
+
+DATA = synthetic_identities(16, 3, image_size=8, channels=1, seed=0)
+
+
+def make_clients(seed=None, data=DATA, max_clients=8):
+    return VirtualClients(
+        data,
+        clients_per_round=6,
+        users_per_client=2,
+        num_clients=8,
+        max_clients_per_round=max_clients,
+        batch_size=2,
+        seed=seed,
+        workers=1,
+    )
+
+
+def test_hosts_take_the_chiefs_sampling_seed_and_serve_their_slices():
+    def work(hosts):
+        clients = make_clients()
+        own = clients.plan_fingerprint()
+        clients.join_hosts(hosts)
+        return own, clients
+
+    (own0, chief), (own1, other) = on_hosts(2, work)
+    assert own0 != own1  # Each host drew its own seed first.
+    assert chief.plan_fingerprint() == other.plan_fingerprint()
+    assert (chief.host_index, other.host_index) == (0, 1)
+    assert chief.rows_per_host == 4
+    for index in range(3):
+        whole = chief.round(index)
+        np.testing.assert_array_equal(whole["images"], other.round(index)["images"])
+        sampled = np.flatnonzero(whole["client_mask"])
+        assert sampled.size >= 2
+        for host, clients in enumerate((chief, other)):
+            part = clients.host_round(index)
+            mine = sampled[host::2]
+            assert part["images"].shape[0] == 4
+            assert part["client_mask"].tolist() == [True] * mine.size + [False] * (
+                4 - mine.size
+            )
+            for key in ("images", "global_labels", "example_mask", "labels"):
+                np.testing.assert_array_equal(part[key][: mine.size], whole[key][mine])
+                assert not part[key][mine.size :].any()
+    # Keras reads the host's slice.
+    assert chief[0]["images"].shape[0] == 4
+
+
+def test_hosts_with_other_seeds_or_data_refuse_before_any_round():
+    results = on_hosts(2, lambda h: make_clients(seed=1 + h.index).join_hosts(h))
+    assert all(isinstance(r, HostsDisagreeError) for r in results), results
+    assert "round plan" in str(results[0])
+    # Another user index (more examples per user). Pixels are not compared.
+    other_data = synthetic_identities(16, 4, image_size=8, channels=1, seed=0)
+
+    def join(hosts):
+        make_clients(data=other_data if hosts.index else DATA).join_hosts(hosts)
+
+    results = on_hosts(2, join)
+    assert all(isinstance(r, HostsDisagreeError) for r in results), results
+
+
+def test_rows_that_do_not_split_over_the_hosts_are_refused():
+    with pytest.warns(UserWarning, match="max_clients_per_round=7"):
+        clients = make_clients(max_clients=7)
+    with pytest.raises(ValueError, match="max_clients_per_round=9"):
+        clients.join_hosts(Hosts(0, 3, lambda w: np.stack([w] * 3)))

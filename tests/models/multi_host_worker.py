@@ -1,0 +1,296 @@
+"""One host of a multi-host DP-FedEmb job, for `test_fedemb_multi_host.py`.
+
+Usage: `KERAS_BACKEND=jax|tensorflow python multi_host_worker.py HOST
+HOSTS PORT OUT_DIR`. With HOSTS > 1 the process joins a job of HOSTS
+local processes: JAX through `keras.distribution.initialize` (one CPU
+device each, collectives over gloo) and `DataParallel(auto_shard_dataset=
+False)`; TensorFlow as a worker of a `MultiWorkerMirroredStrategy` on
+localhost ports PORT, PORT + 1, ... With HOSTS = 1 it is the one-process
+reference of the same rounds. It writes `OUT_DIR/host<HOST>.json`:
+
+- `equivalence`: seeded rounds (the only place a fixed seed is used), no
+  noise and no clipping: the backbone after each round, and which rows
+  each host served;
+- `noise`: the real set-up (sampling and noise seeds from entropy, shared
+  by the chief), client updates that vanish: each round's step is the
+  noise alone;
+- `resume`: a fit with `AtomicBackupAndRestore` and `PrivacyLedger` in one
+  shared directory stops (on every host) at the start of epoch 2; fresh
+  models and `VirtualClients` resume it. Counts the files each host wrote.
+"""
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+HOST, HOSTS, PORT = (int(a) for a in sys.argv[1:4])
+OUT_DIR = sys.argv[4]
+BACKEND = os.environ["KERAS_BACKEND"]
+STRATEGY = None
+
+if HOSTS > 1 and BACKEND == "tensorflow":
+    os.environ["TF_CONFIG"] = json.dumps(
+        {
+            "cluster": {"worker": [f"localhost:{PORT + i}" for i in range(HOSTS)]},
+            "task": {"type": "worker", "index": HOST},
+        }
+    )
+    import tensorflow as tf
+
+    STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+
+if HOSTS > 1 and BACKEND == "jax":
+    keras.distribution.initialize(f"localhost:{PORT}", HOSTS, HOST)
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(auto_shard_dataset=False)
+    )
+
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from kdpemb import _atomic, distribute  # noqa: E402
+from kdpemb.callbacks import AtomicBackupAndRestore, PrivacyLedger  # noqa: E402
+from kdpemb.data import VirtualClients  # noqa: E402
+from kdpemb.datasets import synthetic_identities  # noqa: E402
+from kdpemb.models import FedEmbModel  # noqa: E402
+from kdpemb.privacy import ledger  # noqa: E402
+
+warnings.simplefilter("ignore")  # Fixed seeds warn; intended in a test.
+
+# 16 users in P = 8 virtual clients of k = 2, Poisson with M = 6 into
+# M_max = 8 rows (4 per host); 2 local steps of 4 images of 8 x 8.
+NUM_USERS, IMAGES_PER_USER, USERS_PER_CLIENT = 16, 4, 2
+CLIENTS_PER_ROUND, MAX_CLIENTS, LOCAL_STEPS, BATCH_SIZE = 6, 8, 2, 4
+IMAGE_SIZE, EMBEDDING_DIM, ROUNDS = 8, 32, 2
+DATA_SEED, SAMPLING_SEED, MODEL_SEED = 3, 16, 11
+NOISE_MULTIPLIER, CLIP_NORM = 1.0, 1.0
+
+
+def make_clients(seed):
+    data = synthetic_identities(
+        NUM_USERS, IMAGES_PER_USER, image_size=IMAGE_SIZE, channels=1, seed=DATA_SEED
+    )
+    return VirtualClients(
+        data,
+        clients_per_round=CLIENTS_PER_ROUND,
+        users_per_client=USERS_PER_CLIENT,
+        num_clients=NUM_USERS // USERS_PER_CLIENT,
+        max_clients_per_round=MAX_CLIENTS,
+        local_steps=LOCAL_STEPS,
+        batch_size=BATCH_SIZE,
+        rounds_per_epoch=ROUNDS,
+        seed=seed,
+        workers=1,
+    )
+
+
+def make_model(clients, seed, **settings):
+    keras.utils.set_random_seed(MODEL_SEED)  # The same weights everywhere.
+    scope = STRATEGY.scope() if STRATEGY is not None else _nothing()
+    with scope:
+        backbone = keras.Sequential(
+            [
+                keras.Input((IMAGE_SIZE, IMAGE_SIZE, 1)),
+                keras.layers.Rescaling(1 / 255),
+                keras.layers.Flatten(),
+                keras.layers.Dense(EMBEDDING_DIM),
+            ]
+        )
+        model = FedEmbModel(backbone, schedule=clients.schedule, seed=seed, **settings)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0))
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def flat_weights(model):
+    return np.concatenate(
+        [
+            np.ravel(keras.ops.convert_to_numpy(v.value))
+            for v in model.backbone.trainable_variables
+        ]
+    ).tolist()
+
+
+class WeightsPerRound(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.after_round = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after_round.append(flat_weights(self.model))
+
+
+def record_served(clients):
+    """Wraps `clients.host_round`: the round index and global labels of
+    every row this host served."""
+    served = []
+    build = clients.host_round
+
+    def host_round(index):
+        element = build(index)
+        served.append(
+            {
+                "index": int(index),
+                "mask": element["client_mask"].tolist(),
+                "labels": element["global_labels"].tolist(),
+            }
+        )
+        return element
+
+    clients.host_round = host_round
+    return served
+
+
+def digest(value):
+    return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
+
+
+def equivalence():
+    clients = make_clients(SAMPLING_SEED)
+    served = record_served(clients)
+    model = make_model(
+        clients, MODEL_SEED, clip_norm=1e6, noise_multiplier=0.0, client_optimizer=0.05
+    )
+    before = flat_weights(model)
+    weights = WeightsPerRound()
+    # One TensorFlow process fits the rounds as tf.data (each pass claims
+    # a new epoch of rounds), as the TensorFlow workers' fit does.
+    x = clients.to_tf_dataset() if BACKEND == "tensorflow" and HOSTS == 1 else clients
+    history = model.fit(x, epochs=1, verbose=0, callbacks=[weights])
+    # The whole rounds, as one process builds them, for the test to slice.
+    reference = make_clients(SAMPLING_SEED)
+    rounds = [reference.round(entry["index"]) for entry in served]
+    return {
+        "before": before,
+        "after_round": weights.after_round,
+        "served": served,
+        "full_rounds": [
+            {"mask": r["client_mask"].tolist(), "labels": r["global_labels"].tolist()}
+            for r in rounds
+        ],
+        "private_steps": history.history["private_steps"],
+    }
+
+
+def noise():
+    clients = make_clients(None)
+    seed_before = digest(clients._root_seed)
+    model = make_model(
+        clients,
+        None,
+        clip_norm=CLIP_NORM,
+        noise_multiplier=NOISE_MULTIPLIER,
+        client_optimizer=1e-30,
+    )
+    before = flat_weights(model)
+    weights = WeightsPerRound()
+    model.fit(clients, epochs=1, verbose=0, callbacks=[weights])
+    return {
+        "before": before,
+        "after_round": weights.after_round,
+        "seed_before": seed_before,
+        "seed_after": digest(clients._root_seed),
+        "plan": clients.plan_fingerprint().hex(),
+    }
+
+
+class StopAtEpoch(keras.callbacks.Callback):
+    """Raises on every host at the first round of `epoch`, as a crash."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt(f"stopped at epoch {epoch}")
+
+
+def count_writes():
+    """Counts this host's atomic file writes (backups, ledger)."""
+    counts = {"files": 0}
+    atomic_path = _atomic.atomic_path
+
+    def counting(*args, **kwargs):
+        counts["files"] += 1
+        return atomic_path(*args, **kwargs)
+
+    _atomic.atomic_path = counting
+    return counts
+
+
+def resume():
+    directory = os.path.join(OUT_DIR, "shared")
+    backup_dir, ledger_path = f"{directory}/backup", f"{directory}/ledger.json"
+    writes = count_writes()
+    settings = {
+        "clip_norm": CLIP_NORM,
+        "noise_multiplier": NOISE_MULTIPLIER,
+        "client_optimizer": 0.05,
+    }
+
+    def callbacks(*extra):
+        return [
+            *extra,
+            AtomicBackupAndRestore(backup_dir, delete_checkpoint=False),
+            PrivacyLedger(ledger_path, durable=False, verbose=0),
+        ]
+
+    clients = make_clients(None)
+    model = make_model(clients, None, **settings)
+    with contextlib.suppress(KeyboardInterrupt):
+        model.fit(clients, epochs=3, verbose=0, callbacks=callbacks(StopAtEpoch(1)))
+    steps_at_stop = int(keras.ops.convert_to_numpy(model.private_steps.value))
+    ledger_at_stop = ledger.read_ledger(ledger_path)["steps"]
+    saved = flat_weights(model)
+    clients = make_clients(None)
+    model = make_model(clients, None, **settings)
+    epochs = []
+    tracker = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: epochs.append(epoch)
+    )
+    history = model.fit(clients, epochs=3, verbose=0, callbacks=callbacks(tracker))
+    return {
+        "steps_at_stop": steps_at_stop,
+        "ledger_at_stop": ledger_at_stop,
+        "saved": digest(saved),
+        "epochs_after_resume": epochs,
+        "private_steps": int(keras.ops.convert_to_numpy(model.private_steps.value)),
+        "history_steps": history.history["private_steps"],
+        "ledger_after": ledger.read_ledger(ledger_path)["steps"],
+        "after": digest(flat_weights(model)),
+        "files_written": writes["files"],
+    }
+
+
+def main():
+    with STRATEGY.scope() if STRATEGY is not None else _nothing():
+        hosts = distribute.current_hosts()
+    report = {"host": HOST, "hosts": [hosts.index, hosts.count]}
+    scenarios = {"equivalence": equivalence, "noise": noise}
+    if HOSTS > 1:
+        scenarios["resume"] = resume
+    for name, scenario in scenarios.items():
+        try:
+            report[name] = scenario()
+        except Exception:
+            report[name] = {"error": traceback.format_exc()}
+    with open(os.path.join(OUT_DIR, f"host{HOST}.json"), "w") as file:
+        json.dump(report, file)
+
+
+if __name__ == "__main__":
+    main()
