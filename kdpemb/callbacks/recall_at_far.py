@@ -4,6 +4,7 @@ import keras
 import numpy as np
 
 from kdpemb import _validation as validation
+from kdpemb import distribute
 from kdpemb.data import inputs
 from kdpemb.errors import NonFiniteFeaturesError
 from kdpemb.features import extract
@@ -159,6 +160,15 @@ class RecallAtFAR(keras.callbacks.Callback):
             raise ValueError(f"RecallAtFAR: {error}") from None
 
     def on_train_begin(self, logs=None):
+        hosts = distribute.current_hosts(self.model)
+        if hosts.count > 1:
+            raise ValueError(
+                f"RecallAtFAR evaluates in one process, and this job has "
+                f"{hosts.count} hosts: leave it out of the multi-host fit, "
+                "save the model (kdpemb.saving.save_model, on the chief) and "
+                "evaluate it in one process afterwards "
+                "(kdpemb.metrics.recall_at_far on its embeddings)."
+            )
         self.check_data()
 
     def evaluate(self):

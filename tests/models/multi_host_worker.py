@@ -6,7 +6,8 @@ local processes: JAX through `keras.distribution.initialize` (one CPU
 device each, collectives over gloo) and `DataParallel(auto_shard_dataset=
 False)`; TensorFlow as a worker of a `MultiWorkerMirroredStrategy` on
 localhost ports PORT, PORT + 1, ... With HOSTS = 1 it is the one-process
-reference of the same rounds. It writes `OUT_DIR/host<HOST>.json`:
+reference of the same seeded rounds (`equivalence` only). It writes
+`OUT_DIR/host<HOST>.json`:
 
 - `equivalence`: seeded rounds (the only place a fixed seed is used), no
   noise and no clipping: the backbone after each round, and which rows
@@ -29,6 +30,20 @@ HOST, HOSTS, PORT = (int(a) for a in sys.argv[1:4])
 OUT_DIR = sys.argv[4]
 BACKEND = os.environ["KERAS_BACKEND"]
 STRATEGY = None
+
+
+class _NoTensorFlow:
+    """As on a JAX machine without TensorFlow: nothing here may need it
+    (Keras' seeding would import it, for seconds of each process)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+
+if BACKEND == "jax":
+    sys.meta_path.insert(0, _NoTensorFlow())
 
 if HOSTS > 1 and BACKEND == "tensorflow":
     os.environ["TF_CONFIG"] = json.dumps(
@@ -55,7 +70,11 @@ import hashlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kdpemb import _atomic, distribute  # noqa: E402
-from kdpemb.callbacks import AtomicBackupAndRestore, PrivacyLedger  # noqa: E402
+from kdpemb.callbacks import (  # noqa: E402
+    AtomicBackupAndRestore,
+    PrivacyLedger,
+    RecallAtFAR,
+)
 from kdpemb.data import VirtualClients  # noqa: E402
 from kdpemb.datasets import synthetic_identities  # noqa: E402
 from kdpemb.models import FedEmbModel  # noqa: E402
@@ -236,10 +255,11 @@ def resume():
     directory = os.path.join(OUT_DIR, "shared")
     backup_dir, ledger_path = f"{directory}/backup", f"{directory}/ledger.json"
     writes = count_writes()
+    # The noise scenario's round (compiled once, cached on JAX).
     settings = {
         "clip_norm": CLIP_NORM,
         "noise_multiplier": NOISE_MULTIPLIER,
-        "client_optimizer": 0.05,
+        "client_optimizer": 1e-30,
     }
 
     def callbacks(*extra):
@@ -276,13 +296,39 @@ def resume():
     }
 
 
+def refusals():
+    """Set-ups refused on several hosts, before any round."""
+    clients = make_clients(None)
+    model = make_model(clients, None, clip_norm=1.0, noise_multiplier=1.0)
+    held_out = synthetic_identities(
+        4, 2, image_size=IMAGE_SIZE, channels=1, seed=DATA_SEED, first_identity=100
+    )
+    attempts = {
+        "recall_at_far": lambda: model.fit(
+            clients, epochs=1, verbose=0, callbacks=[RecallAtFAR(held_out, far=0.1)]
+        ),
+        "other_round_source": lambda: model.fit(
+            ((round_,) for round_ in clients), epochs=1, verbose=0, steps_per_epoch=2
+        ),
+    }
+    report = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            report[name] = None
+        except ValueError as error:
+            report[name] = str(error)
+    report["private_steps"] = int(keras.ops.convert_to_numpy(model.private_steps.value))
+    return report
+
+
 def main():
     with STRATEGY.scope() if STRATEGY is not None else _nothing():
         hosts = distribute.current_hosts()
     report = {"host": HOST, "hosts": [hosts.index, hosts.count]}
-    scenarios = {"equivalence": equivalence, "noise": noise}
-    if HOSTS > 1:
-        scenarios["resume"] = resume
+    scenarios = {"equivalence": equivalence}
+    if HOSTS > 1:  # The one process is the reference of `equivalence` only.
+        scenarios.update(noise=noise, resume=resume, refusals=refusals)
     for name, scenario in scenarios.items():
         try:
             report[name] = scenario()

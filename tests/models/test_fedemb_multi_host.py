@@ -208,3 +208,11 @@ def test_a_stopped_job_resumes_on_every_host_from_the_chiefs_files(reports):
     assert results[0]["after"] == results[1]["after"]
     assert results[0]["files_written"] > 0
     assert results[1]["files_written"] == 0
+
+
+def test_set_ups_that_cannot_span_the_hosts_are_refused_before_any_round(reports):
+    for report in reports[:HOSTS]:
+        result = scenario(report, "refusals")
+        assert "RecallAtFAR evaluates in one process" in result["recall_at_far"]
+        assert "kdpemb.data.VirtualClients" in result["other_round_source"]
+        assert result["private_steps"] == 0
