@@ -40,14 +40,14 @@ _MAX_SEED = 2**128
 MAX_ROUNDS_PER_EPOCH = 2**53
 
 
-class _Grouped:
+class _GroupedExamples:
     """`_examples_by_user` of data stored grouped by user: the identity."""
 
     def __getitem__(self, index):
         return np.asarray(index)
 
 
-_GROUPED = _Grouped()
+_GROUPED = _GroupedExamples()
 
 
 class ClientPlan(NamedTuple):

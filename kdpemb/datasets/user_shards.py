@@ -21,8 +21,8 @@ Why this format:
   gives their ids, so a user's examples are one contiguous range.
 
 The price: pixels are stored raw (no JPEG compression: 112×112×3 uint8 is
-37.6 kB per image, about 10 times a JPEG), and every image has the same
-shape and dtype (resize before writing).
+37.6 kB an image, typically several times its JPEG), and every image has the
+same shape and dtype (resize before writing).
 
 A directory holds (format `kdpemb-user-shards`, version 1):
 
@@ -58,6 +58,7 @@ import numpy as np
 from kdpemb import _validation as validation
 from kdpemb._atomic import PARTIAL_PREFIX
 from kdpemb.errors import CorruptDatasetError, DatasetNotFoundError
+from kdpemb.version import __version__
 
 FORMAT = "kdpemb-user-shards"
 VERSION = 1
@@ -103,8 +104,9 @@ def write_user_shards(
     first appended to temporary buckets on disk by a hash of their user id,
     then each bucket is grouped by user (memory: about `BUCKET_ROWS` rows
     of labels and ids, never pixels) and copied into the final shards in
-    blocks, users in `np.unique` order. Only the per-user index (a few tens
-    of bytes a user) is held whole.
+    blocks, users in `np.unique` order. Only the per-user index (about 45
+    bytes a user) is held whole. The temporary buckets sit next to the
+    target, so writing needs free disk for about twice the data.
 
     The directory appears whole or not at all: everything is written to a
     temporary sibling (`.partial-...`), renamed into place at the end, and
@@ -338,7 +340,7 @@ class _Writer:
             labels, self.num_classes = sources.check_labels(
                 whole.labels, n, self.num_classes
             )
-            self.max_label = int(labels.max())
+            self.max_label = self._check_label_range(int(labels.max()), "labels")
             ids = self._id_column(sources.check_user_ids(whole.user_ids, n), "user_ids")
             step = self._rows_per_block(whole.images.shape[1:], source.dtype)
             for start in range(0, n, step):
@@ -355,8 +357,18 @@ class _Writer:
                 ids = sources.check_user_ids(batch.user_ids, n)
             except ValueError as error:
                 raise ValueError(f"In {batch.where}: {error}") from None
-            self.max_label = max(self.max_label, int(labels.max()))
+            top = self._check_label_range(int(labels.max()), batch.where)
+            self.max_label = max(self.max_label, top)
             yield images, labels, self._id_column(ids, batch.where)
+
+    @staticmethod
+    def _check_label_range(top, where):
+        if top >= 2**31:
+            raise ValueError(
+                f"{where} holds label {top}, but labels are stored as int32. "
+                "Re-index the identities to 0..num_classes-1."
+            )
+        return top
 
     def _rows_per_block(self, row_shape, dtype):
         row_bytes = max(1, math.prod(row_shape) * np.dtype(dtype).itemsize)
@@ -421,24 +433,23 @@ class _Writer:
 
     def _partition(self, blocks, num_buckets, level):
         """Appends blocks of `(images, labels, ids)` to `num_buckets` buckets."""
-        buckets = None
-        for images, labels, ids in blocks:
-            if buckets is None:
-                buckets = [
-                    _Bucket(self._path(), self.row_shape, self.dtype)
-                    for _ in range(num_buckets)
-                ]
-            which = self._bucket_of(ids, num_buckets, level)
-            order = np.argsort(which, kind="stable")
-            bounds = np.searchsorted(which[order], np.arange(num_buckets + 1))
-            for b, bucket in enumerate(buckets):
-                rows = order[bounds[b] : bounds[b + 1]]
-                if rows.size:
-                    bucket.append(images[rows], labels[rows], ids[rows])
-        for bucket in buckets or ():
-            bucket.close()
-        if buckets is None:
-            raise ValueError("The data holds no images: there is nothing to write.")
+        buckets = []
+        try:
+            for images, labels, ids in blocks:
+                if not buckets:
+                    buckets = [
+                        _Bucket(self._path(), self.row_shape, self.dtype)
+                        for _ in range(num_buckets)
+                    ]
+                which = self._bucket_of(ids, num_buckets, level)
+                order = np.argsort(which, kind="stable")
+                bounds = np.searchsorted(which[order], np.arange(num_buckets + 1))
+                for b in np.flatnonzero(np.diff(bounds)):
+                    rows = order[bounds[b] : bounds[b + 1]]
+                    buckets[b].append(images[rows], labels[rows], ids[rows])
+        finally:
+            for bucket in buckets:
+                bucket.close()
         return buckets
 
     # -- pass 2: each bucket grouped by user --
@@ -479,35 +490,50 @@ class _Writer:
 
     # -- pass 3: users in np.unique order, into the final shards --
 
+    def _save(self, name, array):
+        np.save(os.path.join(self.staging, name), array)
+
     def _write_shards(self, grouped):
         num_classes = self.num_classes or self.max_label + 1
+        # The per-user index, users sorted as np.unique sorts them (each
+        # user is in one bucket). Arrays are dropped as soon as they are
+        # used: at 10 million users each is 40 to 80 MB.
+        sizes = [g.users.size for g in grouped]
         users = np.concatenate([g.users for g in grouped])
-        counts = np.concatenate([g.counts for g in grouped])
-        bucket_of = np.repeat(
-            np.arange(len(grouped), dtype=np.int32), [g.users.size for g in grouped]
-        )
-        start_in_bucket = np.concatenate(
-            [np.concatenate([[0], np.cumsum(g.counts)[:-1]]) for g in grouped]
-        )
+        for g in grouped:
+            g.users = None
         index = np.argsort(users, kind="stable")
-        users, counts = users[index], counts[index]
-        bucket_of, start_in_bucket = bucket_of[index], start_in_bucket[index]
-        del index
+        users = users[index]
+        num_users = users.size
+        self._save(INDEX_FILES["users"], users)
         keys = self._assignment.user_keys(users)
+        del users
         if self.id_kind != "int" and np.unique(keys).size != keys.size:
             raise ValueError(
                 "Two user ids share a 64-bit key (a BLAKE2b collision of "
                 "string ids); they would share a virtual client. Rename one "
                 "user or use integer ids."
             )
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._save(INDEX_FILES["user_keys"], keys)
+        del keys
+        offsets = np.zeros(num_users + 1, np.int64)
+        np.cumsum(np.concatenate([g.counts for g in grouped])[index], out=offsets[1:])
+        self._save(INDEX_FILES["user_offsets"], offsets)
+        # Where each user's rows start in its bucket's grouped order.
+        starts = np.concatenate([np.cumsum(g.counts) - g.counts for g in grouped])
+        for g in grouped:
+            g.counts = None
+        starts = starts[index]
+        bucket_of = np.repeat(np.arange(len(grouped), dtype=np.int32), sizes)[index]
+        del index
         per_shard = self.images_per_shard or max(
             1, SHARD_BYTES // max(1, math.prod(self.row_shape) * self.dtype.itemsize)
         )
-        # A user goes to the shard of the block its first example falls in.
-        block = offsets[:-1] // per_shard
-        user_bounds = np.flatnonzero(np.concatenate([[True], block[1:] != block[:-1]]))
-        user_bounds = np.append(user_bounds, users.size)
+        # A user goes to the shard of the block of `per_shard` rows that
+        # its first example falls in: the first users of the blocks.
+        block_starts = np.arange(0, int(offsets[-1]), per_shard, dtype=np.int64)
+        user_bounds = np.unique(np.searchsorted(offsets[:-1], block_starts))
+        user_bounds = np.append(user_bounds[user_bounds < num_users], num_users)
         opened = [
             (g.bucket.images(), np.load(g.order_path, mmap_mode="r"),
              np.load(g.labels_path, mmap_mode="r"))
@@ -537,7 +563,7 @@ class _Writer:
             for start in range(low, high, step):
                 rows = np.arange(start, min(start + step, high), dtype=np.int64)
                 user = np.searchsorted(offsets, rows, side="right") - 1
-                position = start_in_bucket[user] + (rows - offsets[user])
+                position = starts[user] + (rows - offsets[user])
                 source = bucket_of[user]
                 by_source = np.argsort(source, kind="stable")
                 bounds = np.searchsorted(source[by_source], np.arange(len(opened) + 1))
@@ -557,19 +583,14 @@ class _Writer:
                 }
             )
         del opened
-        for name, array in (
-            ("users", users),
-            ("user_offsets", offsets),
-            ("user_keys", keys),
-        ):
-            np.save(os.path.join(self.staging, INDEX_FILES[name]), array)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
+            "written_by": f"kdpemb {__version__}",
             "image_shape": list(self.row_shape),
             "image_dtype": self.dtype.str,
             "num_images": int(offsets[-1]),
-            "num_users": int(users.size),
+            "num_users": int(num_users),
             "num_classes": int(num_classes),
             "max_label": int(self.max_label),
             "max_identities_per_user": int(self.max_identities),
@@ -833,8 +854,18 @@ def _read_manifest(directory):
         )
         or not isinstance(manifest["image_shape"], list)
         or len(manifest["image_shape"]) != 3
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0
+            for d in manifest["image_shape"]
+        )
     ):
         raise corrupt("has an unreadable index, shard list or image shape")
+    try:
+        dtype = np.dtype(manifest["image_dtype"])
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "uif":
+        raise corrupt(f"has image_dtype={manifest['image_dtype']!r}, not a number type")
     return manifest
 
 

@@ -356,6 +356,8 @@ def test_corrupt_directories_are_refused(tmp_path):
             "user_offsets.npy", np.asarray(source.user_offsets) + 1
         ),
         "num_images=2": edit(num_images=2),
+        "image_dtype='<U3', not a number type": edit(image_dtype="<U3"),
+        "unreadable index, shard list or image shape": edit(image_shape=[4, 0, 1]),
         "not valid JSON": lambda d, m: (d / "manifest.json").write_text("{"),
     }
     for message, change in cases.items():
