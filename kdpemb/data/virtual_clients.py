@@ -443,7 +443,7 @@ class VirtualClients(keras.utils.PyDataset):
                     f"{empty} of {roster.size} users have no examples and "
                     f"were dropped; {names.size} users remain.",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         self._shards = shards
         self.user_names = names

@@ -197,8 +197,9 @@ def test_users_roster_and_num_classes_over_shards(written):
     data, shards = written
     names = shards.user_names.tolist()
     roster = [*names, "nobody-1", "nobody-2"]
-    with pytest.warns(UserWarning, match="2 of 42 users have no examples"):
+    with pytest.warns(UserWarning, match="2 of 42 users have no examples") as seen:
         on_disk = VirtualClients(shards, clients_per_round=5, users=roster, seed=4)
+    assert seen[0].filename == __file__  # Points at the caller.
     with pytest.warns(UserWarning, match="2 of 42 users"):
         in_memory = VirtualClients(*data, clients_per_round=5, users=roster, seed=4)
     assert_same_rounds(in_memory, on_disk)
