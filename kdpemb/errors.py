@@ -16,6 +16,7 @@ True
 
 __all__ = [
     "CalibrationError",
+    "CorruptDatasetError",
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
     "DegenerateFeaturesWarning",
@@ -291,6 +292,21 @@ class RoundsOutOfEpochError(RuntimeError):
 
     >>> from kdpemb.errors import RoundsOutOfEpochError
     >>> issubclass(RoundsOutOfEpochError, RuntimeError)
+    True
+    """
+
+
+class CorruptDatasetError(ValueError):
+    """A dataset directory is incomplete, truncated or of an unknown format.
+
+    Raised by `kdpemb.datasets.UserShards` before any training: the
+    message names the file and what is wrong with it. Write the dataset
+    again (`kdpemb.datasets.write_user_shards`).
+
+    Example:
+
+    >>> from kdpemb.errors import CorruptDatasetError
+    >>> issubclass(CorruptDatasetError, ValueError)
     True
     """
 

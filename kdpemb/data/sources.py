@@ -3,9 +3,13 @@
 Accepted: a `UserImages`; arrays (or a lazy array-like such as
 `SyntheticImages`) with labels and user ids; a `tf.data.Dataset` or a
 `keras.utils.PyDataset` yielding `(images, labels, user_ids)` (batched or
-not, or dicts with those keys). `kdpemb.data.inputs` reads them; datasets
-are read once into memory, because rounds need random access to every
-user's examples.
+not, or dicts with those keys); a `UserShards` directory on disk.
+`kdpemb.data.inputs` reads them; datasets are read once into memory,
+because rounds need random access to every user's examples (write them to
+disk with `kdpemb.datasets.write_user_shards` when they do not fit).
+
+The checks (`check_image_shape`, `check_finite`, `check_labels`,
+`check_user_ids`) also serve `write_user_shards`, block by block.
 """
 
 import numpy as np
@@ -13,23 +17,23 @@ import numpy as np
 from kdpemb import _validation as validation
 from kdpemb.data import inputs
 from kdpemb.datasets.user_images import UserImages
+from kdpemb.datasets.user_shards import UserShards
 
 _SCAN_CHUNK = 4096
 
 
-def read_source(images, labels=None, user_ids=None, *, num_classes=None):
-    """Returns checked `(images, labels, user_ids, num_classes)`.
+def open_source(images, labels=None, user_ids=None, *, batch_size=256):
+    """The `kdpemb.data.inputs.Input` of what `VirtualClients` takes.
 
-    `images` keeps its type when it is a NumPy array or a lazy array-like,
-    so a large synthetic dataset is never materialised here.
+    Refuses a wrong combination of arguments (labels with a `UserImages`
+    or a dataset, or arrays without labels or user ids); reads nothing.
 
     Example:
 
     >>> import numpy as np
-    >>> images, labels, user_ids, num_classes = read_source(
-    ...     np.zeros((4, 2, 2, 1), np.uint8), [0, 1, 1, 0], [7, 7, 8, 8])
-    >>> images.shape, labels.tolist(), user_ids.tolist(), num_classes
-    ((4, 2, 2, 1), [0, 1, 1, 0], [7, 7, 8, 8], 2)
+    >>> source = open_source(np.zeros((4, 2, 2, 1)), [0, 1, 1, 0], [7, 7, 8, 8])
+    >>> source.kind, source.num_examples
+    ('array', 4)
     """
     if isinstance(images, UserImages):
         if labels is not None or user_ids is not None:
@@ -53,17 +57,74 @@ def read_source(images, labels=None, user_ids=None, *, num_classes=None):
         )
     else:
         data = (images, labels, user_ids)
-    source = inputs.open_input(data, inputs.FIELDS, required=3, single_examples=True)
+    return inputs.open_input(
+        data, inputs.FIELDS, required=3, single_examples=True, batch_size=batch_size
+    )
+
+
+def read_source(images, labels=None, user_ids=None, *, num_classes=None):
+    """Returns checked `(images, labels, user_ids, num_classes)`.
+
+    `images` keeps its type when it is a NumPy array or a lazy array-like,
+    so a large synthetic dataset is never materialised here. For a
+    `UserShards` the images and labels are its lazy arrays and `user_ids`
+    is the `UserShards` itself: its examples are already grouped by user
+    and were checked when written, so nothing is scanned here.
+
+    Example:
+
+    >>> import numpy as np
+    >>> images, labels, user_ids, num_classes = read_source(
+    ...     np.zeros((4, 2, 2, 1), np.uint8), [0, 1, 1, 0], [7, 7, 8, 8])
+    >>> images.shape, labels.tolist(), user_ids.tolist(), num_classes
+    ((4, 2, 2, 1), [0, 1, 1, 0], [7, 7, 8, 8], 2)
+    """
+    if isinstance(images, UserShards):
+        return _read_shards(images, labels, user_ids, num_classes)
+    source = open_source(images, labels, user_ids)
     images, labels, user_ids, _ = source.arrays()
-    images = _check_images(images)
-    labels, num_classes = _check_labels(labels, len(images), num_classes)
-    user_ids = _check_user_ids(user_ids, len(images))
+    check_image_shape(images.shape)
+    if np.dtype(images.dtype).kind == "f":
+        for start in range(0, len(images), _SCAN_CHUNK):
+            check_finite(images[start : start + _SCAN_CHUNK], first=start)
+    labels, num_classes = check_labels(labels, len(images), num_classes)
+    user_ids = check_user_ids(user_ids, len(images))
     return images, labels, user_ids, num_classes
 
 
-def _check_images(images):
-    """Numeric images (from `kdpemb.data.inputs`) of four axes, all finite."""
-    shape = tuple(images.shape)
+def _read_shards(shards, labels, user_ids, num_classes):
+    if labels is not None or user_ids is not None:
+        raise ValueError(
+            "Pass either a UserShards or (images, labels, user_ids), not both: "
+            "a UserShards already carries labels and user ids."
+        )
+    if num_classes is None:
+        num_classes = shards.num_classes
+    else:
+        num_classes = validation.check_positive_int(num_classes, "num_classes")
+        if num_classes <= shards.max_label:
+            raise ValueError(
+                f"num_classes={num_classes}, but the labels of {shards.directory} "
+                f"go up to {shards.max_label}. Use num_classes >= "
+                f"{shards.max_label + 1}, or leave it None "
+                f"({shards.num_classes}, as written)."
+            )
+    return shards.images, shards.labels, shards, num_classes
+
+
+def check_image_shape(shape):
+    """Refuses images that are not `(N, height, width, channels)`.
+
+    Example:
+
+    >>> check_image_shape((5, 8, 8, 1))
+    >>> try:
+    ...     check_image_shape((5, 8, 8))
+    ... except ValueError as error:
+    ...     print(str(error)[:60])
+    images must have shape (N, height, width, channels), got (5,
+    """
+    shape = tuple(shape)
     if len(shape) != 4:
         hint = (
             " For grayscale images of shape (N, H, W) add a channel axis: "
@@ -74,27 +135,50 @@ def _check_images(images):
         raise ValueError(
             f"images must have shape (N, height, width, channels), got {shape}." + hint
         )
-    if np.dtype(images.dtype).kind == "f":
-        _check_finite(images)
-    return images
 
 
-def _check_finite(images):
-    for start in range(0, len(images), _SCAN_CHUNK):
-        chunk = np.asarray(images[start : start + _SCAN_CHUNK])
-        bad = ~np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1)
-        if bad.any():
-            index = start + int(np.flatnonzero(bad)[0])
-            count = int(bad.sum())
-            raise ValueError(
-                f"images[{index}] holds NaN or infinite pixels ({count} bad "
-                f"image(s) in rows {start}..{start + len(chunk) - 1} alone). "
-                "Remove or repair these images before training; a non-finite "
-                "input would poison the clipped update of its virtual client."
-            )
+def check_finite(images, first=0):
+    """Refuses NaN or infinite pixels in rows `first...` of the images.
+
+    `images` is a block of rows (an array, or a slice of a lazy
+    array-like) that starts at row `first` of the data; the error names
+    the data's row.
+
+    Example:
+
+    >>> import numpy as np
+    >>> block = np.zeros((3, 2, 2, 1), np.float32)
+    >>> block[1, 0, 0, 0] = np.nan
+    >>> try:
+    ...     check_finite(block, first=100)
+    ... except ValueError as error:
+    ...     print(str(error)[:45])
+    images[101] holds NaN or infinite pixels (1 b
+    """
+    chunk = np.asarray(images)
+    if chunk.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1)
+    if bad.any():
+        index = first + int(np.flatnonzero(bad)[0])
+        count = int(bad.sum())
+        raise ValueError(
+            f"images[{index}] holds NaN or infinite pixels ({count} bad "
+            f"image(s) in rows {first}..{first + len(chunk) - 1} alone). "
+            "Remove or repair these images before training; a non-finite "
+            "input would poison the clipped update of its virtual client."
+        )
 
 
-def _check_labels(labels, n, num_classes):
+def check_labels(labels, n, num_classes):
+    """Returns `(labels as int64, num_classes)`; `max(labels) + 1` by default.
+
+    Example:
+
+    >>> labels, num_classes = check_labels([0, 3, True], 3, None)
+    >>> labels.tolist(), num_classes
+    ([0, 3, 1], 4)
+    """
     labels = np.asarray(labels)
     if labels.dtype == bool:  # Two identities, as 0 and 1.
         labels = labels.astype(np.int64)
@@ -106,7 +190,16 @@ def _check_labels(labels, n, num_classes):
     return labels, int(num_classes)
 
 
-def _check_user_ids(user_ids, n):
+def check_user_ids(user_ids, n):
+    """Returns `user_ids` (ints, or strings) after checking one per image.
+
+    Whole floats become int64; other floats and other dtypes are refused.
+
+    Example:
+
+    >>> check_user_ids([3.0, 4.0], 2).tolist()
+    [3, 4]
+    """
     user_ids = np.asarray(user_ids)
     if user_ids.shape != (n,):
         raise ValueError(

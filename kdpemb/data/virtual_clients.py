@@ -14,6 +14,7 @@ import numpy as np
 
 from kdpemb import _validation as validation
 from kdpemb.data import assignment, round_size, sources
+from kdpemb.datasets.user_shards import UserShards
 from kdpemb.errors import (
     DataDependentScheduleWarning,
     ReproducibleSamplingWarning,
@@ -38,6 +39,16 @@ _POSITION_KEYS = ("epoch_id", "round_in_epoch")
 _MAX_SEED = 2**128
 # An epoch's length is a Python (and tf.data) integer: at most 2**53 rounds.
 MAX_ROUNDS_PER_EPOCH = 2**53
+
+
+class _GroupedExamples:
+    """`_examples_by_user` of data stored grouped by user: the identity."""
+
+    def __getitem__(self, index):
+        return np.asarray(index)
+
+
+_GROUPED = _GroupedExamples()
 
 
 class ClientPlan(NamedTuple):
@@ -142,9 +153,10 @@ class VirtualClients(keras.utils.PyDataset):
     Args:
         images: array `(N, H, W, C)`, a lazy array-like, a `UserImages`, a
             `tf.data.Dataset` or a `keras.utils.PyDataset` yielding
-            `(images, labels, user_ids)`.
+            `(images, labels, user_ids)`, or a `kdpemb.datasets.UserShards`
+            (data on disk, read lazily: no per-example array in memory).
         labels: int array `(N,)`. Identity of each image. Omit for a
-            `UserImages` or a dataset.
+            `UserImages`, a dataset or a `UserShards`.
         user_ids: int or str array `(N,)`. User of each image.
         clients_per_round: float or None. M, the expected number of
             virtual clients per round (exactly M for `sampling="fixed"`).
@@ -370,6 +382,10 @@ class VirtualClients(keras.utils.PyDataset):
     # ----------------------------------------------------------- set-up --
 
     def _index_users(self, user_ids, roster):
+        if isinstance(user_ids, UserShards):
+            self._index_shards(user_ids, roster)
+            return
+        self._shards = None
         try:
             names, user_of_example = np.unique(user_ids, return_inverse=True)
         except TypeError:
@@ -407,6 +423,40 @@ class VirtualClients(keras.utils.PyDataset):
         self._examples_by_user = np.argsort(user_of_example, kind="stable")
         counts = np.bincount(user_of_example, minlength=self.num_users)
         self._user_offsets = np.concatenate([[0], np.cumsum(counts)])
+
+    def _index_shards(self, shards, roster):
+        """The per-user index of a `UserShards`, memory-mapped as written.
+
+        Its users are sorted as `np.unique` sorts them and each user's
+        examples are contiguous, in input order, so the rounds are those of
+        the same data in memory; nothing per example is built.
+        """
+        names = shards.user_names
+        if roster is not None:
+            roster = np.unique(np.asarray(roster))
+            known = np.isin(names, roster)
+            if not known.all():
+                unknown = np.asarray(names[np.flatnonzero(~known)[:3]])
+                raise ValueError(
+                    f"{int((~known).sum())} user id(s) in {shards.directory} are "
+                    f"not in `users` (e.g. {unknown.tolist()}). List every user "
+                    "who has examples in `users`."
+                )
+            empty = roster.size - names.size
+            if empty:
+                warnings.warn(
+                    f"{empty} of {roster.size} users have no examples and "
+                    f"were dropped; {names.size} users remain.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        self._shards = shards
+        self.user_names = names
+        self.num_users = shards.num_users
+        self.num_examples = shards.num_images
+        self._keys = shards.user_keys
+        self._examples_by_user = _GROUPED
+        self._user_offsets = shards.user_offsets
 
     def _check_num_clients(self, value):
         k = self.users_per_client
@@ -601,6 +651,8 @@ class VirtualClients(keras.utils.PyDataset):
     @property
     def max_identities_per_user(self):
         """Most identities any one user holds."""
+        if self._shards is not None:
+            return self._shards.max_identities_per_user
         counts = np.diff(self._user_offsets)
         users = np.repeat(np.arange(self.num_users), counts)
         labels = self._labels[self._examples_by_user].astype(np.int64)

@@ -4,9 +4,13 @@
 - `load_fashion_mnist`, `load_mnist`: real data from local files.
 - `simulate_users`: user ids for data that has none.
 - `from_directory`: your own photos in `root/<user>/<identity>/*.png`.
+- `write_user_shards`, `UserShards`: user data on disk, grouped by user in
+  memory-mapped shards, for datasets larger than memory.
 
-Every function returns a `UserImages` (or arrays for the MNIST loaders) that
-`kdpemb.data.VirtualClients` takes. Nothing here imports Keras.
+Every loader returns a `UserImages` (or arrays for the MNIST loaders) that
+`kdpemb.data.VirtualClients` takes, as it takes a `UserShards`. Importing
+this package imports no Keras (writing or opening shards does, through
+`kdpemb.data`).
 
 Example:
 
@@ -22,14 +26,18 @@ from kdpemb.datasets.mnist_files import load_fashion_mnist, load_mnist
 from kdpemb.datasets.simulate_users import simulate_users
 from kdpemb.datasets.synthetic_identities import SyntheticImages, synthetic_identities
 from kdpemb.datasets.user_images import UserImages
+from kdpemb.datasets.user_shards import ShardedArray, UserShards, write_user_shards
 from kdpemb.errors import DatasetNotFoundError  # noqa: F401 (see errors)
 
 __all__ = [
+    "ShardedArray",
     "SyntheticImages",
     "UserImages",
+    "UserShards",
     "from_directory",
     "load_fashion_mnist",
     "load_mnist",
     "simulate_users",
     "synthetic_identities",
+    "write_user_shards",
 ]
