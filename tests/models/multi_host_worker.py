@@ -1,8 +1,10 @@
 """One host of a multi-host DP-FedEmb job, for `test_fedemb_multi_host.py`.
 
 Usage: `KERAS_BACKEND=jax|tensorflow python multi_host_worker.py HOST
-HOSTS PORT OUT_DIR`. With HOSTS > 1 the process joins a job of HOSTS
-local processes: JAX through `keras.distribution.initialize` (one CPU
+HOSTS PORT OUT_DIR DATA_DIR`, with DATA_DIR the users' images written by
+`write_user_shards` (the test writes it; every host opens it, and each
+reads only the examples of its own rows). With HOSTS > 1 the process
+joins a job of HOSTS local processes: JAX through `keras.distribution.initialize` (one CPU
 device each, collectives over gloo) and `DataParallel(auto_shard_dataset=
 False)`; TensorFlow as a worker of a `MultiWorkerMirroredStrategy` on
 localhost ports PORT, PORT + 1, ... With HOSTS = 1 it is the one-process
@@ -27,7 +29,7 @@ import traceback
 import warnings
 
 HOST, HOSTS, PORT = (int(a) for a in sys.argv[1:4])
-OUT_DIR = sys.argv[4]
+OUT_DIR, DATA_DIR = sys.argv[4:6]
 BACKEND = os.environ["KERAS_BACKEND"]
 STRATEGY = None
 
@@ -76,7 +78,7 @@ from kdpemb.callbacks import (  # noqa: E402
     RecallAtFAR,
 )
 from kdpemb.data import VirtualClients  # noqa: E402
-from kdpemb.datasets import synthetic_identities  # noqa: E402
+from kdpemb.datasets import UserShards, synthetic_identities  # noqa: E402
 from kdpemb.models import FedEmbModel  # noqa: E402
 from kdpemb.privacy import ledger  # noqa: E402
 
@@ -91,12 +93,24 @@ DATA_SEED, SAMPLING_SEED, MODEL_SEED = 3, 16, 11
 NOISE_MULTIPLIER, CLIP_NORM = 1.0, 1.0
 
 
+class RecordedReads:
+    """The images of a `UserShards`, recording which rows are read."""
+
+    def __init__(self, images):
+        self.images, self.rows = images, set()
+        self.shape, self.dtype = images.shape, images.dtype
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        self.rows.update(np.asarray(index).ravel().tolist())
+        return self.images[index]
+
+
 def make_clients(seed):
-    data = synthetic_identities(
-        NUM_USERS, IMAGES_PER_USER, image_size=IMAGE_SIZE, channels=1, seed=DATA_SEED
-    )
     return VirtualClients(
-        data,
+        UserShards(DATA_DIR),
         clients_per_round=CLIENTS_PER_ROUND,
         users_per_client=USERS_PER_CLIENT,
         num_clients=NUM_USERS // USERS_PER_CLIENT,
@@ -177,9 +191,22 @@ def digest(value):
     return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
 
 
+def examples_of(clients, indices, hosts):
+    """The example rows of the clients each host serves in these rounds."""
+    rows = [set() for _ in range(hosts)]
+    for index in indices:
+        plans = list(clients.plan_round(index).values())
+        for host in range(hosts):
+            for plan in plans[host::hosts]:
+                grid = plan.example_index
+                rows[host].update(grid[grid >= 0].tolist())
+    return rows
+
+
 def equivalence():
     clients = make_clients(SAMPLING_SEED)
     served = record_served(clients)
+    reads = clients._images = RecordedReads(clients._images)
     model = make_model(
         clients, MODEL_SEED, clip_norm=1e6, noise_multiplier=0.0, client_optimizer=0.05
     )
@@ -191,8 +218,14 @@ def equivalence():
     history = model.fit(x, epochs=1, verbose=0, callbacks=[weights])
     # The whole rounds, as one process builds them, for the test to slice.
     reference = make_clients(SAMPLING_SEED)
-    rounds = [reference.round(entry["index"]) for entry in served]
+    indices = [entry["index"] for entry in served]
+    rounds = [reference.round(index) for index in indices]
+    examples = examples_of(reference, indices, HOSTS)
     return {
+        "read_rows": len(reads.rows),
+        "rows_of_my_clients": len(examples[HOST]),
+        "rows_of_all_clients": len(set().union(*examples)),
+        "read_outside_my_clients": len(reads.rows - examples[HOST]),
         "before": before,
         "after_round": weights.after_round,
         "served": served,
@@ -300,7 +333,7 @@ def refusals():
     """Set-ups refused on several hosts, before any round."""
     clients = make_clients(None)
     model = make_model(clients, None, clip_norm=1.0, noise_multiplier=1.0)
-    held_out = synthetic_identities(
+    held_out = synthetic_identities(  # Held-out identities, in memory.
         4, 2, image_size=IMAGE_SIZE, channels=1, seed=DATA_SEED, first_identity=100
     )
     attempts = {

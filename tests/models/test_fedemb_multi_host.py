@@ -6,7 +6,8 @@
 single process, the reference on the same seeded rounds. The tests check:
 
 - every host serves its slice (clients h, h + 2, ...) of the round plan
-  that one process draws, and the same rounds in the same order;
+  that one process draws, and the same rounds in the same order, reading
+  from the one `UserShards` directory only its own clients' examples;
 - seeded, without noise and clipping, the two hosts give the single
   process's model round by round (clients summed over hosts once);
 - with seeds from entropy, the hosts hold the chief's sampling seed and
@@ -30,12 +31,26 @@ import keras
 import numpy as np
 import pytest
 
+from kdpemb.datasets import synthetic_identities, write_user_shards
+
 WORKER = Path(__file__).with_name("multi_host_worker.py")
+SETUP = {
+    "num_identities": 16,
+    "images_per_identity": 4,
+    "image_size": 8,
+    "channels": 1,
+    "seed": 3,
+}
 BACKEND = keras.backend.backend()
 HOSTS = 2
 ROUNDS = 2
 MAX_CLIENTS = 8
 NOISE_STD = 1.0 * 1.0 / 6  # z C / M of the worker's noise scenario.
+
+
+def setup_data():
+    """The worker's `make_data()` (16 users of 4 images of 8 x 8)."""
+    return synthetic_identities(**SETUP)
 
 
 def free_port(count):
@@ -66,14 +81,16 @@ def run_job(out_dir):
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")]
     )
+    data_dir = out_dir / "users"
+    write_user_shards(data_dir, setup_data())
     jobs = [(host, HOSTS, free_port(HOSTS)) for host in range(HOSTS)]
     jobs[1] = (1, HOSTS, jobs[0][2])
     reference_dir = out_dir / "reference"
     reference_dir.mkdir()
+    runs = [(*job, out_dir) for job in jobs] + [(0, 1, 0, reference_dir)]
     commands = [
-        [sys.executable, str(WORKER), str(h), str(n), str(p), str(out_dir)]
-        for h, n, p in jobs
-    ] + [[sys.executable, str(WORKER), "0", "1", "0", str(reference_dir)]]
+        [sys.executable, str(WORKER), *map(str, run), str(data_dir)] for run in runs
+    ]
     processes = [
         subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -152,6 +169,18 @@ def test_every_host_serves_its_slice_of_the_same_round_plan(reports):
         assert sum(sum(served[h][position]["mask"]) for h in range(HOSTS)) == len(
             sampled
         )
+
+
+def test_each_host_reads_only_the_examples_of_its_own_rows(reports):
+    for report in reports[:HOSTS]:
+        result = scenario(report, "equivalence")
+        assert result["rows_of_my_clients"] > 0
+        assert result["read_rows"] == result["rows_of_my_clients"]
+        assert result["read_outside_my_clients"] == 0
+        # The other host's clients hold examples this host never read.
+        assert result["rows_of_my_clients"] < result["rows_of_all_clients"]
+    single = scenario(reports[HOSTS], "equivalence")  # One host reads them all.
+    assert single["read_rows"] == single["rows_of_all_clients"]
 
 
 def test_seeded_hosts_train_the_single_process_model(reports):
