@@ -139,4 +139,17 @@ class HostsGuard(keras.callbacks.Callback):
         self.hosts = hosts
 
     def on_train_begin(self, logs=None):
-        self.hosts.check_agree({"model variables": variables_digest(self.model)})
+        model = self.model
+        settings = (
+            model.noise_multiplier,
+            model.clip_norm,
+            model.planned_steps,
+            model.noise,
+            repr(model.schedule),
+        )
+        self.hosts.check_agree(
+            {
+                "model variables": variables_digest(model),
+                "privacy settings": repr(settings),
+            }
+        )
