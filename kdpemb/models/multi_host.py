@@ -38,8 +38,8 @@ def prepare_fit(model, x, clients, kwargs):
         raise ValueError(
             f"On {hosts.count} hosts FedEmbModel trains on a "
             f"kdpemb.data.VirtualClients (or its to_tf_dataset()), whose "
-            f"sampling seed the chief shares; got {type(x).__name__}, whose "
-            "rounds no host can check are the same round on every host."
+            f"sampling seed the chief shares; got {type(x).__name__}, and no "
+            "host could check that it yields the same round on every host."
         )
     if keras.backend.backend() == "jax":
         _check_jax_distribution(hosts)
