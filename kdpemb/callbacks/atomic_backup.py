@@ -59,6 +59,12 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
             json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen}),
         )
 
+    def on_train_begin(self, logs=None):
+        if saving.writes_here(self.model):
+            super().on_train_begin(logs)
+        else:  # Restores the chief's backup; only the chief repairs one.
+            self._load_model()
+
     def on_train_end(self, logs=None):
         if saving.writes_here(self.model):  # The chief deletes the backup.
             super().on_train_end(logs)

@@ -168,7 +168,7 @@ class PrivacyLedger(keras.callbacks.Callback):
                 record = ledger.read_ledger(
                     self.path, self._mechanism, self._model_name()
                 )
-            except ValueError as error:
+            except Exception as error:  # Shared below, then re-raised.
                 if self._hosts.count == 1:
                     raise
                 code, refusal = 1, error

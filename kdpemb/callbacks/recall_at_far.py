@@ -165,9 +165,10 @@ class RecallAtFAR(keras.callbacks.Callback):
             raise ValueError(
                 f"RecallAtFAR evaluates in one process, and this job has "
                 f"{hosts.count} hosts: leave it out of the multi-host fit, "
-                "save the model (kdpemb.saving.save_model, on the chief) and "
-                "evaluate it in one process afterwards "
-                "(kdpemb.metrics.recall_at_far on its embeddings)."
+                "save the model (kdpemb.saving.save_model, called on every "
+                "host; the chief writes the file) and evaluate it in one "
+                "process afterwards (kdpemb.metrics.recall_at_far on its "
+                "embeddings)."
             )
         self.check_data()
 

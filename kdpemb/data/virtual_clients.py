@@ -37,6 +37,9 @@ _ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM, _LAYOUT_ID_STREAM = 1, 2, 3, 4
 # in which round) it is from, and its position in that epoch.
 _POSITION_KEYS = ("epoch_id", "round_in_epoch")
 _MAX_SEED = 2**128
+# On several hosts each row says its round, modulo this: small enough that
+# the replicas' int32 sum of it cannot overflow.
+_ROUND_INDEX_MODULUS = 2**20
 # An epoch's length is a Python (and tf.data) integer: at most 2**53 rounds.
 MAX_ROUNDS_PER_EPOCH = 2**53
 
@@ -677,6 +680,11 @@ class VirtualClients(keras.utils.PyDataset):
                 if self.sampling == "epochs"
                 else {}
             ),
+            **(
+                {"round_index": ((m,), np.dtype(np.int32))}
+                if self.host_count > 1
+                else {}
+            ),
         }
 
     @property
@@ -925,12 +933,20 @@ class VirtualClients(keras.utils.PyDataset):
         On one host, the whole round. After `join_hosts`, host h of H
         builds the `max_clients_per_round // H` rows of the round's
         clients h, h + H, h + 2H, ... of `plan_round` (so every host
-        trains about as many clients), and reads the examples of those
-        clients only.
+        trains about as many clients), reads the examples of those
+        clients only, and adds `round_index` (the round's index modulo
+        2**20, `[rows_per_host]` int32) so that the model can check that
+        every host serves the same round.
         """
         plans = list(self.plan_round(round_index).values())
         rows = plans[self.host_index :: self.host_count]
-        return self._round_arrays(round_index, rows, self.rows_per_host)
+        element = self._round_arrays(round_index, rows, self.rows_per_host)
+        if self.host_count > 1:
+            # On every row: the model checks that all hosts serve one round.
+            element["round_index"] = np.full(
+                self.rows_per_host, round_index % _ROUND_INDEX_MODULUS, np.int32
+            )
+        return element
 
     @property
     def rows_per_host(self):
@@ -962,14 +978,7 @@ class VirtualClients(keras.utils.PyDataset):
         >>> clients.host_count, clients.rows_per_host == clients.max_clients_per_round
         (1, True)
         """
-        if self.max_clients_per_round % hosts.count:
-            size = -(-self.max_clients_per_round // hosts.count) * hosts.count
-            raise ValueError(
-                f"The rounds hold max_clients_per_round="
-                f"{self.max_clients_per_round} client rows, which do not split "
-                f"over {hosts.count} hosts; build the VirtualClients with "
-                f"max_clients_per_round={size}."
-            )
+        self.check_hosts(hosts)
         if hosts.count > 1 and not self._seed_is_fixed:
             self._root_seed = hosts.shared_bits(128)
             with self._layout_lock:
@@ -983,6 +992,18 @@ class VirtualClients(keras.utils.PyDataset):
             self._epoch = self._claim_epoch()
         hosts.check_agree({"round plan": self.plan_fingerprint()})
         self.host_index, self.host_count = hosts.index, hosts.count
+
+    def check_hosts(self, hosts):
+        """Refuses hosts the rounds' rows do not split over (no collective:
+        `FedEmbModel.fit` runs it on each host before `join_hosts`)."""
+        if self.max_clients_per_round % hosts.count:
+            size = -(-self.max_clients_per_round // hosts.count) * hosts.count
+            raise ValueError(
+                f"The rounds hold max_clients_per_round="
+                f"{self.max_clients_per_round} client rows, which do not split "
+                f"over {hosts.count} hosts; build the VirtualClients with "
+                f"max_clients_per_round={size}."
+            )
 
     def plan_fingerprint(self):
         """Bytes that differ between two `VirtualClients` whose rounds may

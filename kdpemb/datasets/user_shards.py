@@ -74,6 +74,8 @@ SHARD_BYTES = 2**30
 # holds their labels, user ids and sort order (about 20-40 bytes a row),
 # never their pixels. A larger bucket is split again.
 BUCKET_ROWS = 2**21
+# Users whose index entries one step of the opening check reads.
+_INDEX_CHUNK = 2**20
 MAX_BUCKETS = 128
 # Buckets for a stream of unknown length (split further when they grow).
 STREAM_BUCKETS = 16
@@ -767,10 +769,15 @@ class UserShards:
             .astype(np.int64)
         )
         names = np.asarray(self.user_names[sample])
-        if not (offsets[sample] < offsets[sample + 1]).all():
-            raise self._corrupt("user_offsets give a user no examples")
-        if (names[1:] <= names[:-1]).any():
-            raise self._corrupt("users.npy is not sorted")
+        # Every user's range, in order (one pass over the index in chunks:
+        # a shifted offset would give one user's examples to another).
+        for start in range(0, self.num_users, _INDEX_CHUNK):
+            stop = min(start + _INDEX_CHUNK, self.num_users)
+            if not (np.diff(offsets[start : stop + 1]) > 0).all():
+                raise self._corrupt("user_offsets give a user no examples")
+            ids = np.asarray(self.user_names[max(start - 1, 0) : stop])
+            if (ids[1:] <= ids[:-1]).any():
+                raise self._corrupt("users.npy is not sorted")
         expected = assignment.user_keys(names)
         stored = np.asarray(self.user_keys[sample])
         if (expected != stored).any():

@@ -29,6 +29,7 @@ True
 >>> hosts.check_agree({"seed": b"same everywhere"})
 """
 
+import contextlib
 import hashlib
 import secrets
 
@@ -145,6 +146,34 @@ class Hosts:
     def max_int(self, value):
         """The largest of every host's `value` (non-negative), on every host."""
         return max(row[0] for row in self.gather_ints([value]))
+
+    @contextlib.contextmanager
+    def together(self, what):
+        """Runs the block on every host, then has the hosts tell each other
+        whether it raised anywhere: a host that raised re-raises its error,
+        and the others raise `HostsDisagreeError` naming it, so that no host
+        goes on to wait in a collective for one that stopped. The block
+        must not use collectives itself.
+
+        Example:
+
+        >>> with Hosts.single().together("the checks"):
+        ...     pass
+        """
+        if self.count == 1:
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            self.gather_ints([1])  # This host refused: tell the others.
+            raise
+        failed = [h for h, row in enumerate(self.gather_ints([0])) if row[0]]
+        if failed:
+            raise HostsDisagreeError(
+                f"Host(s) {failed} refused {what} (their error says why); "
+                f"this host stops with them. Nothing was trained."
+            )
 
     def check_agree(self, items):
         """Raises `HostsDisagreeError` on every host unless every host holds

@@ -15,7 +15,7 @@ import keras
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb import privacy
+from kdpemb import distribute, privacy
 from kdpemb.data import inputs
 from kdpemb.errors import (
     DataDependentScheduleWarning,
@@ -742,6 +742,53 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         unknown or infinite cardinality needs `steps_per_epoch`). Warns
         with `DataDependentScheduleWarning` when P is not a public count.
         """
+        hosts = distribute.current_hosts(self)
+        # Every host checks alone, then they tell each other whether all
+        # passed (one host refusing would leave the others waiting).
+        with hosts.together("FedEmbModel.fit"):
+            x, args, kwargs, clients, verbose = self._checked_fit(
+                x, args, kwargs, hosts
+            )
+        x = multi_host.join_fit(self, x, clients, hosts)
+        self._reseed(hosts)
+        schedule = self._schedule
+        if verbose and self.train_function is None:
+            print(
+                "FedEmbModel: compiling the round (the first round waits for "
+                "it; about a minute on a CPU)…",
+                flush=True,
+            )
+        if not schedule.pool_is_public:
+            warnings.warn(
+                f"The schedule's {schedule.pool_size} virtual clients are "
+                f"ceil(N / k) of the private user count N = "
+                f"{schedule.population} (k = {schedule.users_per_client}): "
+                "adding or removing one user can change P, and with it every "
+                "user's client. Pass num_clients from a public count (e.g. "
+                "enrolled users) to VirtualClients or Schedule.virtual_clients.",
+                DataDependentScheduleWarning,
+                stacklevel=2,
+            )
+        misaligned = self._misaligned()
+        history = super().fit(x, *args, **kwargs)
+        multi_host.check_rounds_aligned(self._hosts_guard)
+        skipped = self._misaligned() - misaligned
+        if skipped:
+            raise RoundsOutOfEpochError(
+                f"{skipped} round(s) of this fit were not rounds of the model's "
+                f"current epoch of {self._schedule.steps_per_epoch} rounds "
+                "(another epoch layout, or a round already taken) and were "
+                "not trained (they released nothing and are not counted): a "
+                "user could otherwise take part twice in one epoch of the "
+                "accounting. Training stopped there. Fit on the VirtualClients "
+                "itself (or its to_tf_dataset()) with whole epochs; the model "
+                "is as after its last counted round."
+            )
+        return history
+
+    def _checked_fit(self, x, args, kwargs, hosts):
+        """`fit`'s checks, before any round; returns `(x, args, kwargs,
+        clients, verbose)` to fit with (guards added)."""
         from kdpemb.data import VirtualClients
         from kdpemb.data.virtual_clients import clients_of
 
@@ -775,12 +822,14 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             if image_shape is not None:
                 _check_image_shape(self.backbone, image_shape, "the rounds")
             self._head_columns = None
-        hosts, x, kwargs = multi_host.prepare_fit(self, x, clients, kwargs)
+        kwargs = multi_host.check_fit(self, x, clients, kwargs, hosts)
         arguments = privacy_plan.fit_arguments(args, kwargs)
         verbose = privacy_plan.is_verbose(arguments)
+        self._hosts_guard = None
         if hosts.count > 1:
+            self._hosts_guard = multi_host.HostsGuard(hosts)
             callbacks = privacy_plan.with_guard(
-                arguments.get("callbacks"), multi_host.HostsGuard(hosts), self
+                arguments.get("callbacks"), self._hosts_guard, self
             )
             arguments = {**arguments, "callbacks": callbacks}
             args, kwargs = (), arguments
@@ -812,40 +861,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             )
             callbacks = privacy_plan.with_guard(arguments.get("callbacks"), guard, self)
             args, kwargs = (), {**arguments, "callbacks": callbacks}
-        self._reseed(hosts)
-        schedule = self._schedule
-        if verbose and self.train_function is None:
-            print(
-                "FedEmbModel: compiling the round (the first round waits for "
-                "it; about a minute on a CPU)…",
-                flush=True,
-            )
-        if not schedule.pool_is_public:
-            warnings.warn(
-                f"The schedule's {schedule.pool_size} virtual clients are "
-                f"ceil(N / k) of the private user count N = "
-                f"{schedule.population} (k = {schedule.users_per_client}): "
-                "adding or removing one user can change P, and with it every "
-                "user's client. Pass num_clients from a public count (e.g. "
-                "enrolled users) to VirtualClients or Schedule.virtual_clients.",
-                DataDependentScheduleWarning,
-                stacklevel=2,
-            )
-        misaligned = self._misaligned()
-        history = super().fit(x, *args, **kwargs)
-        skipped = self._misaligned() - misaligned
-        if skipped:
-            raise RoundsOutOfEpochError(
-                f"{skipped} round(s) of this fit were not rounds of the model's "
-                f"current epoch of {self._schedule.steps_per_epoch} rounds "
-                "(another epoch layout, or a round already taken) and were "
-                "not trained (they released nothing and are not counted): a "
-                "user could otherwise take part twice in one epoch of the "
-                "accounting. Training stopped there. Fit on the VirtualClients "
-                "itself (or its to_tf_dataset()) with whole epochs; the model "
-                "is as after its last counted round."
-            )
-        return history
+        return x, args, kwargs, clients, verbose
 
     def _misaligned(self):
         if not hasattr(self, "misaligned_rounds"):
@@ -1110,7 +1126,11 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         )
 
         clipped = result.clipped
-        within_plan = _both(self._within_plan(), self._epoch_aligned(data))
+        hosts_aligned = self._hosts_aligned(data)
+        within_plan = _both(
+            _both(self._within_plan(), hosts_aligned),
+            self._epoch_aligned(data, hosts_aligned),
+        )
         if self.noise == "tree":
             noise = self._tree_round_noise(clipped, within_plan)
         else:
@@ -1162,6 +1182,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             logs["local_loss"] = plumbing.replica_sum(result.loss_sum) / ops.maximum(
                 count, 1.0
             )
+        if hosts_aligned is not None:
+            logs["misaligned_hosts"] = 1 - ops.cast(hosts_aligned, "int32")
         if within_plan is not None:
             for name in ("nonfinite_updates", "local_loss"):
                 if name in logs:
@@ -1170,7 +1192,29 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                     )
         return plumbing.replica_logs(logs)
 
-    def _epoch_aligned(self, data):
+    def _hosts_aligned(self, data):
+        """On several hosts, whose rounds carry their index on every row
+        (`VirtualClients.host_round`): whether every host's rows are of the
+        same round (a traced bool, the same on every replica); else None.
+
+        A round of mixed rounds would let a user's data count twice and is
+        not the sample the accounting assumes: it releases nothing, is not
+        counted, and `fit` raises after it."""
+        if "round_index" not in data:
+            return None
+        plumbing = backends.current()
+        index = ops.cast(data["round_index"], "int32")
+        low, high = ops.min(index), ops.max(index)
+        # JAX: the rows of every host are one global array. TensorFlow: each
+        # replica's low must equal the mean low over the replicas.
+        replicas = plumbing.replica_sum(ops.ones((), "int32"))
+        differs = ops.logical_or(
+            ops.not_equal(low, high),
+            ops.not_equal(plumbing.replica_sum(low), replicas * low),
+        )
+        return ops.equal(plumbing.replica_sum(ops.cast(differs, "int32")), 0)
+
+    def _epoch_aligned(self, data, hosts_aligned=None):
         """With rounds without sampling (`VirtualClients` rounds say their
         epoch layout, `epoch_id`, and position): whether this round belongs
         to the model's current epoch of R rounds (a traced bool).
@@ -1206,6 +1250,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 ops.equal(ops.sum(taken * this_round), 0),  # Not taken yet.
             ),
         )
+        if hosts_aligned is not None:  # A mixed round takes no position.
+            aligned = ops.logical_and(aligned, hosts_aligned)
         self.data_epoch.assign(ops.where(aligned, data_epoch, self.data_epoch.value))
         self.epoch_rounds_taken.assign(
             ops.where(

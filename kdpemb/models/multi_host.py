@@ -2,38 +2,48 @@
 
 Under `jax.distributed` (JAX, with `keras.distribution.DataParallel`) or a
 `tf.distribute.MultiWorkerMirroredStrategy` of several workers
-(TensorFlow), every host runs the same script. Before the first round,
-`prepare_fit`
+(TensorFlow), every host runs the same script. Before the first round:
 
-1. refuses an engine set-up that would not sum one round over all hosts
-   (a JAX distribution that does not span every process's devices or
-   that would shard the rounds itself; a worker with several replicas);
-2. joins the round source to the hosts (`VirtualClients.join_hosts`): the
-   chief's sampling seed, one epoch number, the plan compared across
-   hosts, and each host serving only its slice of every round's rows;
-3. on TensorFlow, gives Keras each worker's slice as a distributed
-   dataset (the strategy would otherwise shard rounds, not rows).
+1. `check_fit` refuses, on each host, an engine set-up that would not sum
+   one round over all hosts (a JAX distribution that does not span every
+   process's devices or that would shard the rounds itself; a worker
+   with several replicas; rows that do not split over the hosts), and
+   turns off Keras' shuffling of the round order; the hosts then tell
+   each other whether all passed (`Hosts.together`);
+2. `join_fit` joins the round source to the hosts
+   (`VirtualClients.join_hosts`): the chief's sampling seed, one epoch
+   number, the plan compared across hosts, and each host serving only
+   its slice of every round's rows; on TensorFlow it gives Keras each
+   worker's slice as a distributed dataset (the strategy would otherwise
+   shard rounds, not rows).
 
 Once every callback has begun (one may restore a backup), `HostsGuard`
 compares the model's variables (noise seeds and `private_steps`
-included) across hosts. The noise itself is drawn once per round: by the
-one global program on JAX, by the replica that holds replica 0 on
-TensorFlow (`backends.noise_share`).
+included), its privacy settings and the epoch it starts at across hosts.
+Every round then carries its index on every row, and a round whose rows
+come from different rounds on different hosts trains nothing, is not
+counted, and stops the fit with `HostsDisagreeError`. The noise itself is
+drawn once per round: by the one global program on JAX, by the replica
+that holds replica 0 on TensorFlow (`backends.noise_share`).
 """
 
 import hashlib
+import json
 
 import keras
 import numpy as np
 
 from kdpemb import distribute
+from kdpemb.errors import HostsDisagreeError
+from kdpemb.privacy import ledger, protocol
 
 
-def prepare_fit(model, x, clients, kwargs):
-    """Returns `(hosts, x, kwargs)` for `fit`: unchanged on one host."""
-    hosts = distribute.current_hosts(model)
+def check_fit(model, x, clients, kwargs, hosts):
+    """Refuses, on this host alone, what cannot span the hosts; returns
+    `fit`'s kwargs (on TensorFlow an epoch is `len(clients)` steps of the
+    per-worker rounds, and Keras must not reorder rounds on any host)."""
     if hosts.count == 1:
-        return hosts, x, kwargs
+        return kwargs
     if clients is None:
         raise ValueError(
             f"On {hosts.count} hosts FedEmbModel trains on a "
@@ -41,6 +51,10 @@ def prepare_fit(model, x, clients, kwargs):
             f"sampling seed the chief shares; got {type(x).__name__}, and no "
             "host could check that it yields the same round on every host."
         )
+    clients.check_hosts(hosts)
+    # Rounds are random already; Keras' shuffle of their order draws from
+    # each host's own `random`, which may differ between hosts.
+    kwargs = {**kwargs, "shuffle": False}
     if keras.backend.backend() == "jax":
         _check_jax_distribution(hosts)
         if x is not clients:
@@ -48,9 +62,7 @@ def prepare_fit(model, x, clients, kwargs):
                 "On several JAX hosts, fit on the VirtualClients itself (each "
                 f"host serves its slice of the rows), not {type(x).__name__}."
             )
-        clients.join_hosts(hosts)
-        return hosts, x, kwargs
-    strategy = model._distribute_strategy
+        return kwargs
     replicas = distribute.local_device_count(model)
     if replicas != 1:
         raise ValueError(
@@ -66,11 +78,20 @@ def prepare_fit(model, x, clients, kwargs):
             f"is the VirtualClients' {len(clients)} rounds. Leave "
             "steps_per_epoch None (or change rounds_per_epoch)."
         )
+    return {**kwargs, "steps_per_epoch": len(clients)}
+
+
+def join_fit(model, x, clients, hosts):
+    """Joins the round source to the hosts (collectives: every host calls
+    it after `check_fit` passed on all); returns what to fit on."""
+    if hosts.count == 1:
+        return x
     clients.join_hosts(hosts)
-    x = strategy.distribute_datasets_from_function(
+    if keras.backend.backend() == "jax":
+        return x
+    return model._distribute_strategy.distribute_datasets_from_function(
         lambda context: _worker_rounds(context, clients, hosts)
     )
-    return hosts, x, {**kwargs, "steps_per_epoch": len(clients)}
 
 
 def _worker_rounds(context, clients, hosts):
@@ -119,37 +140,70 @@ def _check_jax_distribution(hosts):
 
 def variables_digest(model):
     """A digest of every variable of `model` (weights, optimizer, seeds,
-    `private_steps`), to compare across hosts."""
+    `private_steps`) by position, shape, dtype and value, to compare
+    across hosts (Keras' generated names may differ between processes)."""
     digest = hashlib.blake2b(digest_size=32)
-    for variable in model.variables:
+    for position, variable in enumerate(model.variables):
         value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value))
-        digest.update(variable.path.encode())
-        digest.update(str(value.dtype).encode())
+        digest.update(repr((position, value.shape, str(value.dtype))).encode())
         digest.update(value.tobytes())
     return digest.digest()
 
 
+def settings_digest(model):
+    """What the model releases and how it is accounted, to compare across
+    hosts: its mechanism's parameters and its configuration (without the
+    backbone, compared by `variables_digest`, and Keras' generated name)."""
+    config = model.get_config()
+    for key in ("backbone", "name", "trainable", "dtype"):
+        config.pop(key, None)
+    mechanism = ledger.mechanism_parameters(protocol.check_private_model(model))
+    settings = (
+        mechanism,
+        config,
+        model.noise_multiplier,
+        model.seed is None,
+        model.tree_estimator,
+    )
+    return json.dumps(settings, sort_keys=True, default=repr)
+
+
 class HostsGuard(keras.callbacks.Callback):
-    """Last in the callbacks: once every callback has begun (a backup may
-    have been restored), refuses hosts whose models differ, before the
-    first round."""
+    """Last in the callbacks. Once every callback has begun (a backup may
+    have been restored), refuses hosts whose models, privacy settings or
+    starting epoch differ, before the first round; then stops the fit at
+    the first round whose rows came from different rounds on different
+    hosts (the round trained nothing; `fit` raises)."""
 
     def __init__(self, hosts):
         super().__init__()
         self.hosts = hosts
+        self.misaligned_rounds = 0
 
     def on_train_begin(self, logs=None):
         model = self.model
-        settings = (
-            model.noise_multiplier,
-            model.clip_norm,
-            model.planned_steps,
-            model.noise,
-            repr(model.schedule),
-        )
         self.hosts.check_agree(
             {
                 "model variables": variables_digest(model),
-                "privacy settings": repr(settings),
+                "privacy settings": settings_digest(model),
+                "initial epoch": repr(getattr(model, "_initial_epoch", None)),
             }
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs and float(np.max(logs.get("misaligned_hosts", 0))) > 0:
+            self.misaligned_rounds += 1
+            self.model.stop_training = True
+
+
+def check_rounds_aligned(guard):
+    """After `fit`: raises `HostsDisagreeError` if `guard` saw a round whose
+    hosts served different rounds."""
+    if guard is not None and guard.misaligned_rounds:
+        raise HostsDisagreeError(
+            f"{guard.misaligned_rounds} round(s) of this fit held rows of "
+            "different rounds on different hosts (a host's round source went "
+            "out of step) and trained nothing (released nothing, not "
+            "counted); training stopped there. Fit every host on the same "
+            "VirtualClients, built the same way, and nothing else."
         )

@@ -154,3 +154,77 @@ def test_rows_that_do_not_split_over_the_hosts_are_refused():
         clients = make_clients(max_clients=7)
     with pytest.raises(ValueError, match="max_clients_per_round=9"):
         clients.join_hosts(Hosts(0, 3, lambda w: np.stack([w] * 3)))
+
+
+def test_a_host_that_refuses_stops_every_host_before_any_collective():
+    def work(hosts):
+        with hosts.together("the checks"):
+            if hosts.index == 1:
+                raise ValueError("bad flag on host 1")
+        return "passed"
+
+    chief, other = on_hosts(2, work)
+    assert isinstance(other, ValueError) and "bad flag" in str(other)
+    assert isinstance(chief, HostsDisagreeError)
+    assert "Host(s) [1] refused the checks" in str(chief)
+
+
+def fedemb_model(clients, **settings):
+    import keras
+
+    from kdpemb.models import FedEmbModel
+
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]
+    )
+    return FedEmbModel(backbone, schedule=clients.schedule, **settings)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"noise_multiplier": 1.5}, {"clip_norm": 2.0}, {"log_local_loss": True}],
+    ids=lambda c: next(iter(c)),
+)
+def test_hosts_with_other_privacy_settings_are_refused(change):
+    from kdpemb.models import multi_host
+
+    clients = make_clients(seed=0)
+    base = {"clip_norm": 1.0, "noise_multiplier": 1.0}
+    models = [
+        fedemb_model(clients, **base),
+        fedemb_model(clients, **{**base, **change}),
+    ]
+    for mine, chiefs in zip(models[1].variables, models[0].variables, strict=True):
+        mine.assign(chiefs)  # The same variables (seeds too): only settings differ.
+
+    def begin(hosts):
+        guard = multi_host.HostsGuard(hosts)
+        guard.set_model(models[hosts.index])
+        guard.on_train_begin()
+
+    results = on_hosts(2, begin)
+    assert all(isinstance(r, HostsDisagreeError) for r in results), results
+    assert "privacy settings" in str(results[0])
+    assert "model variables" not in str(results[0]).split("(")[0]
+    models[1] = models[0]
+    assert on_hosts(2, begin) == [None, None]  # The same model passes.
+
+
+def test_every_host_takes_the_chiefs_fresh_noise_seeds_at_each_fit():
+    import keras
+
+    clients = make_clients(seed=0)
+    models = [fedemb_model(clients, clip_norm=1.0, noise_multiplier=1.0) for _ in "ab"]
+
+    def state(model):
+        return keras.ops.convert_to_numpy(model.noise_seed.state.value).tolist()
+
+    def reseed(hosts):
+        models[hosts.index]._reseed(hosts)
+        return state(models[hosts.index])
+
+    first = on_hosts(2, reseed)
+    second = on_hosts(2, reseed)
+    assert first[0] == first[1] and second[0] == second[1]
+    assert first[0] != second[0]

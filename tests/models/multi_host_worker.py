@@ -4,10 +4,11 @@ Usage: `KERAS_BACKEND=jax|tensorflow python multi_host_worker.py HOST
 HOSTS PORT OUT_DIR DATA_DIR`, with DATA_DIR the users' images written by
 `write_user_shards` (the test writes it; every host opens it, and each
 reads only the examples of its own rows). With HOSTS > 1 the process
-joins a job of HOSTS local processes: JAX through `keras.distribution.initialize` (one CPU
-device each, collectives over gloo) and `DataParallel(auto_shard_dataset=
-False)`; TensorFlow as a worker of a `MultiWorkerMirroredStrategy` on
-localhost ports PORT, PORT + 1, ... With HOSTS = 1 it is the one-process
+joins a job of HOSTS local processes: JAX through
+`keras.distribution.initialize` (one CPU device each, collectives over
+gloo) and `DataParallel(auto_shard_dataset=False)`; TensorFlow as a
+worker of a `MultiWorkerMirroredStrategy` on localhost ports PORT,
+PORT + 1, ... With HOSTS = 1 it is the one-process
 reference of the same seeded rounds (`equivalence` only). It writes
 `OUT_DIR/host<HOST>.json`:
 
@@ -17,6 +18,7 @@ reference of the same seeded rounds (`equivalence` only). It writes
 - `noise`: the real set-up (sampling and noise seeds from entropy, shared
   by the chief), client updates that vanish: each round's step is the
   noise alone;
+- `drift`: host 1's round source runs one round ahead of the others;
 - `resume`: a fit with `AtomicBackupAndRestore` and `PrivacyLedger` in one
   shared directory stops (on every host) at the start of epoch 2; fresh
   models and `VirtualClients` resume it. Counts the files each host wrote.
@@ -68,6 +70,7 @@ if HOSTS > 1 and BACKEND == "jax":
 
 import contextlib  # noqa: E402
 import hashlib  # noqa: E402
+import random  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -79,6 +82,7 @@ from kdpemb.callbacks import (  # noqa: E402
 )
 from kdpemb.data import VirtualClients  # noqa: E402
 from kdpemb.datasets import UserShards, synthetic_identities  # noqa: E402
+from kdpemb.errors import HostsDisagreeError  # noqa: E402
 from kdpemb.models import FedEmbModel  # noqa: E402
 from kdpemb.privacy import ledger  # noqa: E402
 
@@ -237,16 +241,21 @@ def equivalence():
     }
 
 
+NOISE_SETTINGS = {
+    "clip_norm": CLIP_NORM,
+    "noise_multiplier": NOISE_MULTIPLIER,
+    "client_optimizer": 1e-30,
+}
+
+
 def noise():
     clients = make_clients(None)
     seed_before = digest(clients._root_seed)
-    model = make_model(
-        clients,
-        None,
-        clip_norm=CLIP_NORM,
-        noise_multiplier=NOISE_MULTIPLIER,
-        client_optimizer=1e-30,
-    )
+    model = make_model(clients, None, **NOISE_SETTINGS)
+    # Python's `random` differs between the hosts from here on (as any
+    # library's use of it on one host would make it): Keras must not use it
+    # to order the rounds.
+    random.seed(1000 + HOST)
     before = flat_weights(model)
     weights = WeightsPerRound()
     model.fit(clients, epochs=1, verbose=0, callbacks=[weights])
@@ -284,16 +293,31 @@ def count_writes():
     return counts
 
 
+def drift():
+    """Host 1 serves round r + 1 where the others serve round r."""
+    clients = make_clients(None)
+    if HOST == 1:
+        serve = clients.host_round
+        clients.host_round = lambda index: serve(index + 1)
+    model = make_model(clients, None, **NOISE_SETTINGS)
+    before = flat_weights(model)
+    try:
+        model.fit(clients, epochs=1, verbose=0)
+        refused = None
+    except HostsDisagreeError as error:
+        refused = str(error)
+    return {
+        "refused": refused,
+        "private_steps": int(keras.ops.convert_to_numpy(model.private_steps.value)),
+        "unchanged": flat_weights(model) == before,
+    }
+
+
 def resume():
     directory = os.path.join(OUT_DIR, "shared")
     backup_dir, ledger_path = f"{directory}/backup", f"{directory}/ledger.json"
     writes = count_writes()
-    # The noise scenario's round (compiled once, cached on JAX).
-    settings = {
-        "clip_norm": CLIP_NORM,
-        "noise_multiplier": NOISE_MULTIPLIER,
-        "client_optimizer": 1e-30,
-    }
+    settings = NOISE_SETTINGS  # The noise scenario's round (cached on JAX).
 
     def callbacks(*extra):
         return [
@@ -361,7 +385,7 @@ def main():
     report = {"host": HOST, "hosts": [hosts.index, hosts.count]}
     scenarios = {"equivalence": equivalence}
     if HOSTS > 1:  # The one process is the reference of `equivalence` only.
-        scenarios.update(noise=noise, resume=resume, refusals=refusals)
+        scenarios.update(noise=noise, drift=drift, resume=resume, refusals=refusals)
     for name, scenario in scenarios.items():
         try:
             report[name] = scenario()

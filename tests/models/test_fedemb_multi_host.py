@@ -12,7 +12,11 @@ single process, the reference on the same seeded rounds. The tests check:
   process's model round by round (clients summed over hosts once);
 - with seeds from entropy, the hosts hold the chief's sampling seed and
   identical models, and each round adds N(0, (zC/M)²) once: a host
-  adding its own noise would give √2 σ, and the hosts would differ;
+  adding its own noise would give √2 σ, and the hosts would differ (also
+  with Python's `random` different on each host);
+- a host whose round source runs ahead makes a round of mixed rounds:
+  it trains nothing, counts nothing, and every host stops with
+  `HostsDisagreeError`;
 - a stopped job resumes on both hosts from the chief's backup and ledger,
   with the step count exact, and only the chief wrote files.
 """
@@ -220,6 +224,15 @@ def test_hosts_share_the_chiefs_seeds_and_add_the_noise_once(reports):
         assert abs(np.mean(change)) < 5 * NOISE_STD / np.sqrt(n)
     correlation = np.corrcoef(changes[0], changes[1])[0, 1]
     assert abs(correlation) < 6 / np.sqrt(changes[0].size)  # Fresh each round.
+
+
+def test_a_host_out_of_step_trains_nothing_and_stops_every_host(reports):
+    for report in reports[:HOSTS]:
+        result = scenario(report, "drift")
+        assert result["refused"] is not None
+        assert "different rounds on different hosts" in result["refused"]
+        assert result["private_steps"] == 0
+        assert result["unchanged"]  # The mixed round released nothing.
 
 
 def test_a_stopped_job_resumes_on_every_host_from_the_chiefs_files(reports):
