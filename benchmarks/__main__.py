@@ -6,6 +6,7 @@ Usage:
     python -m benchmarks all --quick         # every benchmark, smaller sizes
     python -m benchmarks fedemb --quick      # DP-FedEmb utility and speed, smoke
     python -m benchmarks dp_sgd --quick      # DPModel against non-private steps
+    python -m benchmarks scale --quick       # a round on 1, 2, 4 processes
 """
 
 import argparse
@@ -21,6 +22,7 @@ BENCHMARKS = {
     "dp_sgd": "benchmarks.dp_sgd",
     "fedemb": "benchmarks.fedemb",
     "last_layer": "benchmarks.last_layer",
+    "scale": "benchmarks.scale",
     "verification": "benchmarks.verification",
 }
 

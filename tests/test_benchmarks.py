@@ -204,3 +204,25 @@ def test_dp_sgd_benchmark_times_dp_model_against_the_same_network():
     assert "ghost:" in plan and "vectorized: 1× PositionEmbedding" in plan
     assert len(result["peers"]) == 10
     assert "Opacus 1.6.0" in dp_sgd.table(result)
+
+
+def test_scale_benchmark_pins_each_process_to_its_share_of_the_cores():
+    # Pure helpers only: the benchmark itself starts processes (minutes).
+    from benchmarks import scale
+
+    assert runner.BENCHMARKS["scale"] == "benchmarks.scale"
+    assert scale.core_layout([0, 1], 1) == ([[0, 1]], 2)
+    assert scale.core_layout([1, 0], 2) == ([[0], [1]], 1)
+    assert scale.core_layout([0, 1], 4) == ([[0], [1], [0], [1]], 1)
+    assert scale.core_layout(range(16), 4) == (
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+        4,
+    )
+    # The one-process baseline first and last; on JAX also clients one by one.
+    jobs = scale._jobs(scale.QUICK, "jax")
+    assert [(n, p) for _, n, p in jobs] == [
+        (1, "all"), (2, "all"), (4, "all"), (1, "all"), (1, 1),
+    ]  # fmt: skip
+    assert [n for _, n, _ in scale._jobs(scale.QUICK, "tensorflow")] == [1, 2, 4, 1]
+    figures = scale.reader_figures("x", {"num_images": 5, "a [MiB]": 1.5, "b": "s"})
+    assert figures == {"x: a [MiB]": 1.5}  # Every number when none is known.
