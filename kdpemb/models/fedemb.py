@@ -1121,8 +1121,8 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         # Adaptive clipping: this round clips to, and noises with, the C
         # before the round's update of C.
         clip_norm = self.current_clip_norm.value if adaptive else None
-        result = fedemb_round.run_round(
-            trainer, theta, non_trainable, heads, data, clip_norm=clip_norm
+        result = _run_round_on_devices(
+            plumbing, trainer, theta, non_trainable, heads, data, clip_norm
         )
 
         clipped = result.clipped
@@ -1371,6 +1371,43 @@ class _EpochGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.model._misaligned() > self._misaligned:
             self.model.stop_training = True
+
+
+def _run_round_on_devices(plumbing, trainer, theta, non_trainable, heads, data, clip):
+    """`fedemb_round.run_round`, each device training only its share of
+    the round's rows (`backends.sum_over_devices`); the sums are over all
+    of them."""
+    per_row_heads = len(heads.shape) == 3
+    rows = dict(data, heads=heads) if per_row_heads else dict(data)
+    shared = (theta, non_trainable, None if per_row_heads else heads, clip)
+
+    def local(rows, shared):
+        theta, non_trainable, shared_head, clip_norm = shared
+        rows = dict(rows)
+        heads = rows.pop("heads") if per_row_heads else shared_head
+        result = fedemb_round.run_round(
+            trainer, theta, non_trainable, heads, rows, clip_norm=clip_norm
+        )
+        sums = result.clipped
+        return (
+            sums.total,
+            sums.count,
+            sums.num_nonfinite,
+            sums.num_within_clip,
+            result.loss_sum,
+        )
+
+    total, count, nonfinite, within, loss_sum = plumbing.sum_over_devices(
+        local, rows, shared
+    )
+    clipped = gaussian_sum.ClippedSum(
+        total=total,
+        clip_norm=trainer.config.clip_norm if clip is None else clip,
+        count=count,
+        num_nonfinite=nonfinite,
+        num_within_clip=within,
+    )
+    return fedemb_round.RoundResult(clipped=clipped, loss_sum=loss_sum)
 
 
 def _both(first, second):

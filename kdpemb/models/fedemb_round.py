@@ -252,9 +252,10 @@ def run_round(trainer, theta, non_trainable, heads, data, clip_norm=None):
         return trainer.train(theta, non_trainable, head, client)
 
     chunk = cfg.client_parallelism
+    if num_rows is not None:
+        # No wider than the rows (one row: no vectorised map at all).
+        chunk = min(chunk, num_rows)
     if chunk > 1:
-        if num_rows is not None:
-            chunk = min(chunk, num_rows)
 
         def split(x):
             # Pads the client axis to a multiple of `chunk` (masked rows).

@@ -184,32 +184,16 @@ def flat_weights(model):
 
 
 class RoundProbe:
-    """Records, for every traced round, how many client rows one program
-    sees and (JAX) how those rows are laid out over the devices."""
+    """Records, for every traced round, how many client rows one device's
+    program trains (a TensorFlow replica's; on JAX, a `shard_map` body's)."""
 
     def __init__(self):
         self.rows = []
-        self.layouts = []
         self._run_round = fedemb_round.run_round
 
     def __enter__(self):
         def probe(trainer, theta, non_trainable, heads, data, **kwargs):
-            images = data["images"]
-            self.rows.append(int(images.shape[0]))
-            if BACKEND == "jax":
-                import jax
-
-                def record(sharding):
-                    self.layouts.append(
-                        {
-                            "devices": len(sharding.device_set),
-                            "rows_per_device": int(
-                                sharding.shard_shape(tuple(images.shape))[0]
-                            ),
-                        }
-                    )
-
-                jax.debug.inspect_array_sharding(images, callback=record)
+            self.rows.append(int(data["images"].shape[0]))
             return self._run_round(trainer, theta, non_trainable, heads, data, **kwargs)
 
         fedemb_round.run_round = probe
@@ -277,7 +261,6 @@ def fit(settings, distributed):
         history = model.fit(x, epochs=1, verbose=0, callbacks=[callback])
         report["seconds"] = time.perf_counter() - start
     report["rows_per_program"] = probe.rows
-    report["layouts"] = probe.layouts
     report["after_round"] = callback.after_round
     report["after"] = flat_weights(model)
     report["history"] = {k: [float(x) for x in v] for k, v in history.history.items()}

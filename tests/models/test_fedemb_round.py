@@ -321,3 +321,15 @@ def test_vectorised_clients_equal_clients_one_after_another():
     np.testing.assert_allclose(three.total, one.total, rtol=1e-4, atol=1e-6)
     assert one.count == three.count == 4
     np.testing.assert_allclose(three.loss_sum, one.loss_sum, rtol=1e-4)
+
+
+def test_a_single_row_with_vectorised_clients_trains_it_once():
+    # One row (a device's share of a small round): no vectorised map, the
+    # same sum as clients one after another.
+    backbone = ref.linear_backbone(EMBEDDING_DIM, seed=3)
+    data = ref.make_round(8, classes=(3,), rows=1, steps=2)
+    settings = {"lr": 0.5, "clip_norm": 0.3}
+    one = round_sum(backbone, data, client_parallelism=1, **settings)
+    four = round_sum(backbone, data, client_parallelism=4, **settings)
+    np.testing.assert_allclose(four.total, one.total, rtol=1e-5, atol=1e-7)
+    assert one.count == four.count == 1

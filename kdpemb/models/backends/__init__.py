@@ -15,6 +15,9 @@ differ between backends live here, the way Keras splits its own trainers:
 - `replica_sum(x)`: the sum of `x` over the replicas of a
   `tf.distribute` strategy (identity where the program is already global,
   as a JAX `keras.distribution` program is).
+- `sum_over_devices(fn, rows, shared)`: `fn` on each device's share of
+  a round's rows, summed over the devices (`shard_map` on JAX; the
+  strategy's replicas already hold their own rows on TensorFlow).
 - `noise_share()`: 1 on the one replica that adds the round's noise, 0 on
   the others, so that summing the replicas' updates adds it exactly once.
 - `replica_logs(logs)`: the train step's logs in the form Keras reduces

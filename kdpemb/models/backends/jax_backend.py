@@ -51,6 +51,42 @@ def replica_sum(value):
     return value
 
 
+def sum_over_devices(fn, rows, shared):
+    """`fn(rows, shared)` run by each device on its own share of `rows`
+    (their leading axis, split over the `keras.distribution` mesh's batch
+    axis), and its outputs summed over the devices (`psum`); `shared` is
+    the same on every device. Without a distribution of several devices,
+    `fn(rows, shared)`.
+
+    XLA's partitioner, given the whole vectorised round, computes every
+    client's convolutions on every device; `shard_map` makes each device
+    train only its rows, as a TensorFlow replica does."""
+    distribution = keras.distribution.distribution()
+    if distribution is None or distribution.device_mesh.devices.size == 1:
+        return fn(rows, shared)
+    axis = distribution.batch_dim_name
+    spec = jax.sharding.PartitionSpec
+
+    def local(rows, shared):
+        return jax.tree.map(lambda x: jax.lax.psum(x, axis), fn(rows, shared))
+
+    mapped = _shard_map(
+        local,
+        mesh=distribution.device_mesh.backend_mesh,
+        in_specs=(spec(axis), spec()),
+        out_specs=spec(),
+    )
+    return mapped(rows, shared)
+
+
+def _shard_map(fn, **kwargs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, check_vma=False, **kwargs)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, check_rep=False, **kwargs)
+
+
 def noise_share():
     """1.0: the global program draws the noise once."""
     return 1.0

@@ -81,6 +81,12 @@ def replica_sum(value):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
+def sum_over_devices(fn, rows, shared):
+    """`fn(rows, shared)`: a replica's program already holds only its rows
+    (the strategy splits them); `replica_sum` sums over the replicas."""
+    return fn(rows, shared)
+
+
 def noise_share():
     """1.0 on the first replica, 0.0 on the others.
 
