@@ -998,11 +998,20 @@ class VirtualClients(keras.utils.PyDataset):
         `FedEmbModel.fit` runs it on each host before `join_hosts`)."""
         if self.max_clients_per_round % hosts.count:
             size = -(-self.max_clients_per_round // hosts.count) * hosts.count
+            if self.sampling == "fixed":
+                fix = f"clients_per_round a multiple of {hosts.count}"
+            elif self.sampling == "epochs" and self.users_per_client > 1:
+                fix = (
+                    f"num_clients and rounds_per_epoch such that ceil(P / R) "
+                    f"is a multiple of {hosts.count}"
+                )
+            else:
+                fix = f"max_clients_per_round={size}"
             raise ValueError(
                 f"The rounds hold max_clients_per_round="
                 f"{self.max_clients_per_round} client rows, which do not split "
                 f"over {hosts.count} hosts; build the VirtualClients with "
-                f"max_clients_per_round={size}."
+                f"{fix}."
             )
 
     def plan_fingerprint(self):

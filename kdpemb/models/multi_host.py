@@ -139,11 +139,16 @@ def _check_jax_distribution(hosts):
 
 
 def variables_digest(model):
-    """A digest of every variable of `model` (weights, optimizer, seeds,
-    `private_steps`) by position, shape, dtype and value, to compare
-    across hosts (Keras' generated names may differ between processes)."""
+    """A digest of every variable of `model` (weights, seeds,
+    `private_steps`, and the server optimizer's state once it is built) by
+    position, shape, dtype and value, to compare across hosts (Keras'
+    generated names may differ between processes)."""
     digest = hashlib.blake2b(digest_size=32)
-    for position, variable in enumerate(model.variables):
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        variables += list(optimizer.variables)
+    for position, variable in enumerate(variables):
         value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value))
         digest.update(repr((position, value.shape, str(value.dtype))).encode())
         digest.update(value.tobytes())
