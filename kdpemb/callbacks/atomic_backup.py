@@ -6,7 +6,7 @@ import shutil
 
 import keras
 
-from kdpemb import _atomic, saving
+from kdpemb import _atomic, distribute, saving
 
 
 class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -60,10 +60,13 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         )
 
     def on_train_begin(self, logs=None):
-        if saving.writes_here(self.model):
-            super().on_train_begin(logs)
-        else:  # Restores the chief's backup; only the chief repairs one.
-            self._load_model()
+        hosts = distribute.current_hosts(self.model)
+        # A host that cannot restore stops every host (not one left waiting).
+        with hosts.together("restoring the backup"):
+            if hosts.is_chief:
+                super().on_train_begin(logs)
+            else:  # Restores the chief's backup; only the chief repairs one.
+                self._load_model()
 
     def on_train_end(self, logs=None):
         if saving.writes_here(self.model):  # The chief deletes the backup.

@@ -1005,8 +1005,13 @@ class VirtualClients(keras.utils.PyDataset):
                     f"num_clients and rounds_per_epoch such that ceil(P / R) "
                     f"is a multiple of {hosts.count}"
                 )
-            else:
+            elif size <= self.num_clients:
                 fix = f"max_clients_per_round={size}"
+            else:  # M_max is at most P.
+                fix = (
+                    f"more virtual clients (num_clients >= {size}), or a number "
+                    f"of hosts that divides {self.max_clients_per_round}"
+                )
             raise ValueError(
                 f"The rounds hold max_clients_per_round="
                 f"{self.max_clients_per_round} client rows, which do not split "

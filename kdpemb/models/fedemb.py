@@ -19,6 +19,7 @@ from kdpemb import distribute, privacy
 from kdpemb.data import inputs
 from kdpemb.errors import (
     DataDependentScheduleWarning,
+    HostsDisagreeError,
     PrivacyBudgetExhaustedError,
     RoundsOutOfEpochError,
 )
@@ -745,10 +746,17 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         hosts = distribute.current_hosts(self)
         # Every host checks alone, then they tell each other whether all
         # passed (one host refusing would leave the others waiting).
-        with hosts.together("FedEmbModel.fit"):
-            x, args, kwargs, clients, verbose = self._checked_fit(
-                x, args, kwargs, hosts
-            )
+        self._calibrated_this_fit = False
+        try:
+            with hosts.together("FedEmbModel.fit"):
+                x, args, kwargs, clients, verbose = self._checked_fit(
+                    x, args, kwargs, hosts
+                )
+        except HostsDisagreeError:
+            # Another host refused: keep no plan this host fixed alone.
+            if self._calibrated_this_fit:
+                self._forget_plan()
+            raise
         x = multi_host.join_fit(self, x, clients, hosts)
         self._reseed(hosts)
         schedule = self._schedule
@@ -854,6 +862,7 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
                 )
 
             calibrated = self._plan_budget(steps_of(self._initial_epoch), verbose)
+            self._calibrated_this_fit = calibrated
             # Checked again once the callbacks have begun (one may restore
             # other weights); the round itself never goes past the plan.
             guard = privacy_plan.PlanGuard(

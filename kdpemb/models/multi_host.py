@@ -52,6 +52,14 @@ def check_fit(model, x, clients, kwargs, hosts):
             "host could check that it yields the same round on every host."
         )
     clients.check_hosts(hosts)
+    steps = int(getattr(model, "steps_per_execution", 1) or 1)
+    if steps != 1:
+        raise ValueError(
+            f"steps_per_execution={steps}: on several hosts every round's "
+            "check that all hosts served the same round is read after each "
+            "step, so compile the FedEmbModel with steps_per_execution=1 (a "
+            "round is long enough that one step per call costs nothing)."
+        )
     # Rounds are random already; Keras' shuffle of their order draws from
     # each host's own `random`, which may differ between hosts.
     kwargs = {**kwargs, "shuffle": False}
@@ -174,11 +182,12 @@ def settings_digest(model):
 
 
 class HostsGuard(keras.callbacks.Callback):
-    """Last in the callbacks. Once every callback has begun (a backup may
-    have been restored), refuses hosts whose models, privacy settings or
-    starting epoch differ, before the first round; then stops the fit at
-    the first round whose rows came from different rounds on different
-    hosts (the round trained nothing; `fit` raises)."""
+    """After the user's callbacks (kdpemb's own guards follow it). Once
+    they have begun (a backup may have been restored), refuses hosts whose
+    models, privacy settings or starting epoch differ, before the first
+    round; then stops the fit at the first round whose rows came from
+    different rounds on different hosts (the round trained nothing; `fit`
+    raises)."""
 
     def __init__(self, hosts):
         super().__init__()

@@ -152,7 +152,10 @@ def test_hosts_with_other_seeds_or_data_refuse_before_any_round():
 def test_rows_that_do_not_split_over_the_hosts_are_refused():
     with pytest.warns(UserWarning, match="max_clients_per_round=7"):
         clients = make_clients(max_clients=7)
-    with pytest.raises(ValueError, match="max_clients_per_round=9"):
+    with pytest.raises(ValueError, match="max_clients_per_round=8"):
+        clients.join_hosts(Hosts(0, 2, lambda w: np.stack([w] * 2)))
+    # 9 rows would be more than the P = 8 virtual clients a round can hold.
+    with pytest.raises(ValueError, match="num_clients >= 9"):
         clients.join_hosts(Hosts(0, 3, lambda w: np.stack([w] * 3)))
 
 

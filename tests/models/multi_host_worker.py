@@ -368,13 +368,31 @@ def refusals():
             ((round_,) for round_ in clients), epochs=1, verbose=0, steps_per_epoch=2
         ),
     }
+
+    def several_steps_per_call():
+        model.compile(optimizer=keras.optimizers.SGD(1.0), steps_per_execution=2)
+        model.fit(clients, epochs=1, verbose=0)
+
+    def restore_fails_on_host_1():
+        model.compile(optimizer=keras.optimizers.SGD(1.0))
+        backup = AtomicBackupAndRestore(os.path.join(OUT_DIR, "no_backup"))
+        if HOST == 1:
+
+            def unreadable():
+                raise OSError("unreadable backup on host 1")
+
+            backup._load_model = unreadable
+        model.fit(clients, epochs=1, verbose=0, callbacks=[backup])
+
+    attempts["steps_per_execution"] = several_steps_per_call
+    attempts["restore"] = restore_fails_on_host_1
     report = {}
     for name, attempt in attempts.items():
         try:
             attempt()
             report[name] = None
-        except ValueError as error:
-            report[name] = str(error)
+        except (ValueError, OSError, HostsDisagreeError) as error:
+            report[name] = f"{type(error).__name__}: {error}"
     report["private_steps"] = int(keras.ops.convert_to_numpy(model.private_steps.value))
     return report
 

@@ -257,4 +257,9 @@ def test_set_ups_that_cannot_span_the_hosts_are_refused_before_any_round(reports
         result = scenario(report, "refusals")
         assert "RecallAtFAR evaluates in one process" in result["recall_at_far"]
         assert "kdpemb.data.VirtualClients" in result["other_round_source"]
+        assert "steps_per_execution=2" in result["steps_per_execution"]
         assert result["private_steps"] == 0
+    # A backup that one host cannot read stops both, neither left waiting.
+    chief, other = (scenario(r, "refusals")["restore"] for r in reports[:HOSTS])
+    assert other == "OSError: unreadable backup on host 1"
+    assert chief.startswith("HostsDisagreeError: Host(s) [1] refused restoring")
