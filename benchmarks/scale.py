@@ -142,7 +142,7 @@ def available_cores():
     return list(range(os.cpu_count() or 1))
 
 
-def _free_port(count):
+def free_port(count):
     """A port p with p .. p + count - 1 free (TensorFlow takes one a worker)."""
     for _ in range(50):
         with socket.socket() as probe:
@@ -166,7 +166,7 @@ def _free_port(count):
 def _run_job(config, processes, backend, parallelism):
     """Runs one job of `processes` local workers; returns the chief's report."""
     cores, threads = core_layout(available_cores(), processes)
-    port = _free_port(processes)
+    port = free_port(processes)
     with tempfile.TemporaryDirectory(prefix="kdpemb-scale-") as directory:
         workers = []
         for index in range(processes):

@@ -397,22 +397,7 @@ class VirtualClients(keras.utils.PyDataset):
                 "strings); use one type, e.g. str(user) for every id."
             ) from None
         if roster is not None:
-            roster = np.unique(np.asarray(roster))
-            unknown = np.setdiff1d(names, roster)
-            if unknown.size:
-                raise ValueError(
-                    f"{unknown.size} user id(s) in user_ids are not in `users` "
-                    f"(e.g. {unknown[:3].tolist()}). List every user who has "
-                    "examples in `users`."
-                )
-            empty = roster.size - names.size
-            if empty:
-                warnings.warn(
-                    f"{empty} of {roster.size} users have no examples and "
-                    f"were dropped; {names.size} users remain.",
-                    UserWarning,
-                    stacklevel=3,
-                )
+            _check_roster(names, roster, "user_ids", stacklevel=4)
         self.user_names = names
         self.num_users = int(names.size)
         self.num_examples = int(user_of_example.size)
@@ -436,23 +421,7 @@ class VirtualClients(keras.utils.PyDataset):
         """
         names = shards.user_names
         if roster is not None:
-            roster = np.unique(np.asarray(roster))
-            known = np.isin(names, roster)
-            if not known.all():
-                unknown = np.asarray(names[np.flatnonzero(~known)[:3]])
-                raise ValueError(
-                    f"{int((~known).sum())} user id(s) in {shards.directory} are "
-                    f"not in `users` (e.g. {unknown.tolist()}). List every user "
-                    "who has examples in `users`."
-                )
-            empty = roster.size - names.size
-            if empty:
-                warnings.warn(
-                    f"{empty} of {roster.size} users have no examples and "
-                    f"were dropped; {names.size} users remain.",
-                    UserWarning,
-                    stacklevel=4,
-                )
+            _check_roster(names, roster, shards.directory, stacklevel=5)
         self._shards = shards
         self.user_names = names
         self.num_users = shards.num_users
@@ -1197,6 +1166,28 @@ def participation_counts(clients, epoch):
         for plan in clients.plan_round(epoch * rounds + position).values():
             np.add.at(counts, plan.users, 1)
     return {user: int(count) for user, count in enumerate(counts)}
+
+
+def _check_roster(names, roster, source, stacklevel):
+    """Refuses users with examples (sorted unique `names`, from `source`)
+    missing from the `users=` roster; warns of roster users without any."""
+    roster = np.unique(np.asarray(roster))
+    known = np.isin(names, roster)
+    if not known.all():
+        unknown = np.asarray(names[np.flatnonzero(~known)[:3]])
+        raise ValueError(
+            f"{int((~known).sum())} user id(s) in {source} are not in `users` "
+            f"(e.g. {unknown.tolist()}). List every user who has examples in "
+            "`users`."
+        )
+    empty = roster.size - names.size
+    if empty:
+        warnings.warn(
+            f"{empty} of {roster.size} users have no examples and were "
+            f"dropped; {names.size} users remain.",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def _even_quotas(counts, total, rng):

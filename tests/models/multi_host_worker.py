@@ -85,6 +85,10 @@ from kdpemb.datasets import UserShards, synthetic_identities  # noqa: E402
 from kdpemb.errors import HostsDisagreeError  # noqa: E402
 from kdpemb.models import FedEmbModel  # noqa: E402
 from kdpemb.privacy import ledger  # noqa: E402
+from tests.models.distributed_worker import (  # noqa: E402
+    WeightsPerRound,
+    flat_weights,
+)
 
 warnings.simplefilter("ignore")  # Fixed seeds warn; intended in a test.
 
@@ -129,7 +133,7 @@ def make_clients(seed):
 
 def make_model(clients, seed, **settings):
     keras.utils.set_random_seed(MODEL_SEED)  # The same weights everywhere.
-    scope = STRATEGY.scope() if STRATEGY is not None else _nothing()
+    scope = STRATEGY.scope() if STRATEGY is not None else contextlib.nullcontext()
     with scope:
         backbone = keras.Sequential(
             [
@@ -142,32 +146,6 @@ def make_model(clients, seed, **settings):
         model = FedEmbModel(backbone, schedule=clients.schedule, seed=seed, **settings)
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0))
     return model
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def flat_weights(model):
-    return np.concatenate(
-        [
-            np.ravel(keras.ops.convert_to_numpy(v.value))
-            for v in model.backbone.trainable_variables
-        ]
-    ).tolist()
-
-
-class WeightsPerRound(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.after_round = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.after_round.append(flat_weights(self.model))
 
 
 def record_served(clients):
@@ -398,7 +376,7 @@ def refusals():
 
 
 def main():
-    with STRATEGY.scope() if STRATEGY is not None else _nothing():
+    with STRATEGY.scope() if STRATEGY is not None else contextlib.nullcontext():
         hosts = distribute.current_hosts()
     report = {"host": HOST, "hosts": [hosts.index, hosts.count]}
     scenarios = {"equivalence": equivalence}

@@ -19,9 +19,6 @@ backend this suite runs under) and prints JSON; the tests here check it:
   the devices and noised once: C ends as on one device.
 """
 
-import contextlib
-import fcntl
-import itertools
 import json
 import os
 import subprocess
@@ -33,6 +30,7 @@ import numpy as np
 import pytest
 
 from tests.models import distributed_worker as setup
+from tests.models.worker_results import once_per_run, round_changes
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 BACKEND = keras.backend.backend()
@@ -62,16 +60,7 @@ def run_worker():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """The worker's results, computed once per run even with pytest-xdist."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return run_worker()
-    shared = tmp_path_factory.getbasetemp().parent / f"fedemb_distributed_{BACKEND}"
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):
-            return json.loads(Path(f"{shared}.json").read_text())
-        data = run_worker()
-        Path(f"{shared}.json").write_text(json.dumps(data))
-        return data
+    return once_per_run(tmp_path_factory, f"fedemb_distributed_{BACKEND}", run_worker)
 
 
 def scenario(results, key):
@@ -80,14 +69,6 @@ def scenario(results, key):
     if "error" in report:
         pytest.fail(f"{key} raised in the worker ({BACKEND}):\n{report['error']}")
     return report
-
-
-def round_changes(report):
-    """The backbone's change in every round, one flat array each."""
-    states = [np.asarray(report["before"])] + [
-        np.asarray(w) for w in report["after_round"]
-    ]
-    return [after - before for before, after in itertools.pairwise(states)]
 
 
 def test_the_worker_runs_this_backend_on_two_cpu_devices(results):

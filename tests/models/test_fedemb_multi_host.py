@@ -21,12 +21,8 @@ single process, the reference on the same seeded rounds. The tests check:
   with the step count exact, and only the chief wrote files.
 """
 
-import contextlib
-import fcntl
-import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +31,9 @@ import keras
 import numpy as np
 import pytest
 
+from benchmarks.scale import free_port
 from kdpemb.datasets import synthetic_identities, write_user_shards
+from tests.models.worker_results import once_per_run, round_changes
 
 WORKER = Path(__file__).with_name("multi_host_worker.py")
 SETUP = {
@@ -55,27 +53,6 @@ NOISE_STD = 1.0 * 1.0 / 6  # z C / M of the worker's noise scenario.
 def setup_data():
     """The worker's `make_data()` (16 users of 4 images of 8 x 8)."""
     return synthetic_identities(**SETUP)
-
-
-def free_port(count):
-    """A port p with p .. p + count - 1 free (TensorFlow takes one per worker)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("localhost", 0))
-            port = probe.getsockname()[1]
-        if port + count >= 65536:
-            continue
-        free = True
-        for offset in range(1, count):
-            with socket.socket() as other:
-                try:
-                    other.bind(("localhost", port + offset))
-                except OSError:
-                    free = False
-                    break
-        if free:
-            return port
-    raise RuntimeError("No free localhost ports.")
 
 
 def run_job(out_dir):
@@ -120,16 +97,11 @@ def run_job(out_dir):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """`[host 0, host 1, reference]`, computed once per run (also with xdist)."""
-    shared = tmp_path_factory.getbasetemp().parent / f"fedemb_multi_host_{BACKEND}"
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return run_job(tmp_path_factory.mktemp("multi_host"))
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):
-            return json.loads(Path(f"{shared}.json").read_text())
-        data = run_job(tmp_path_factory.mktemp("multi_host"))
-        Path(f"{shared}.json").write_text(json.dumps(data))
-        return data
+    return once_per_run(
+        tmp_path_factory,
+        f"fedemb_multi_host_{BACKEND}",
+        lambda: run_job(tmp_path_factory.mktemp("multi_host")),
+    )
 
 
 def scenario(report, name):
@@ -137,13 +109,6 @@ def scenario(report, name):
     if "error" in result:
         pytest.fail(f"{name} raised on host {report['host']}:\n{result['error']}")
     return result
-
-
-def round_changes(result):
-    states = [np.asarray(result["before"])] + [
-        np.asarray(w) for w in result["after_round"]
-    ]
-    return [after - before for before, after in itertools.pairwise(states)]
 
 
 def test_each_process_is_one_host_of_the_job(reports):
