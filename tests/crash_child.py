@@ -14,13 +14,18 @@ with Keras), then pauses while writing each again.
 Both models are tiny (a linear network) so that the child's cost is
 mostly starting Python and Keras; the sampling and the noise are drawn
 from OS entropy (seed=None), as in a real run.
+
+No clock: a paused child waits for its kill by reading its stdin, which
+the test never writes, so it exits at once (status 1) if the test closes
+it or dies; a save that fails or does not pause ends the child at once
+rather than leave it waiting.
 """
 
 import json
 import os
 import sys
 import threading
-import time
+import traceback
 
 import keras
 import numpy as np
@@ -49,7 +54,9 @@ def paths(directory):
 
 def pause(message):
     print(message, flush=True)
-    time.sleep(600)  # Killed here.
+    sys.stdin.read()  # Killed here; EOF: the test is gone.
+    print(f"stdin closed after {message}, not killed", file=sys.stderr, flush=True)
+    os._exit(1)  # Never run on past the pause.
 
 
 class Observer(keras.callbacks.Callback):
@@ -198,7 +205,7 @@ class PausesWhileSaved(keras.layers.Layer):
         super().save_own_variables(store)
         if PausesWhileSaved.pause.is_set():
             PausesWhileSaved.paused.release()
-            time.sleep(600)  # Killed here.
+            threading.Event().wait()  # Killed here (or ended with the child).
 
 
 def small_model(value):
@@ -217,6 +224,18 @@ SAVES = {  # File name: how it is written.
 }
 
 
+def pausing_write(write, model, path):
+    """`write(model, path)`, which pauses half-way; a write that raises or
+    ends without pausing ends the child (no one then waits for it)."""
+    try:
+        write(model, path)
+    except BaseException:
+        traceback.print_exc()
+    else:
+        print(f"{path} was written without pausing", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def save(directory):
     """Writes each file whole, then starts writing each again, concurrently,
     and pauses (for the kill) once every second write is half-way."""
@@ -225,11 +244,13 @@ def save(directory):
     PausesWhileSaved.pause.set()
     for name, write in SAVES.items():
         path = os.path.join(directory, name)
-        thread = threading.Thread(target=write, args=(small_model(2.0), path))
+        thread = threading.Thread(
+            target=pausing_write, args=(write, small_model(2.0), path)
+        )
         thread.daemon = True
         thread.start()
     for _ in SAVES:
-        PausesWhileSaved.paused.acquire(timeout=300)
+        PausesWhileSaved.paused.acquire()  # Each write pauses, or ends the child.
     pause("SAVING")
 
 

@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 
 import dp_accounting as dpa
 import keras
@@ -43,31 +44,49 @@ def start(tmp_path_factory):
     )
 
     def start(*args):
-        return subprocess.Popen(
+        # stdin: what a paused child waits on (EOF if this process dies).
+        # stderr: a file, so that the child never blocks on a full pipe
+        # while the test reads only its stdout.
+        errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stderr_of)
+        process = subprocess.Popen(
             [sys.executable, str(CHILD), *map(str, args)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=errors,
             text=True,
             env=env,
         )
+        process.errors = errors
+        return process
 
     return start
 
 
+def stderr_of(process):
+    with process.errors as errors:
+        errors.seek(0)
+        return errors.read()
+
+
+# No timeouts: the child's work is bounded, and it ends at once when it
+# fails or is left waiting (tests/crash_child.py), so every wait returns.
 def kill_when(process, line):
     """SIGKILLs `process` once it prints `line` (it then waits to be killed)."""
     for output in process.stdout:
         if output.strip() == line:
             process.send_signal(signal.SIGKILL)
-            process.wait(timeout=60)
+            process.wait()
+            process.stdin.close()
+            stderr_of(process)
             assert process.returncode == -signal.SIGKILL
             return
-    process.wait(timeout=60)
-    raise AssertionError(f"exited without {line!r}: {process.stderr.read()}")
+    process.wait()
+    raise AssertionError(f"exited without {line!r}: {stderr_of(process)}")
 
 
 def run_to_end(process):
-    stdout, stderr = process.communicate(timeout=300)
+    stdout, _ = process.communicate()  # Closes stdin: a pause would end it.
+    stderr = stderr_of(process)
     assert process.returncode == 0, stderr
     assert "DONE" in stdout
     return stdout

@@ -9,18 +9,27 @@ or a silent result. Valid values are drawn too, and must work.
 
 Deterministic (`derandomize=True`, no example database, no shrinking) with
 a fixed example budget, so CI sees the same examples every run.
+
+No test reads a clock: a hang is work without a bound, so the tests check
+the bounds instead, and a spy fails a call at once when it would go past
+one. Every PLD that dp-accounting is asked to build is checked against
+kdpemb's grid bound (`bounded_plds`), the accountant's searches against
+their number of steps, and the data classes against the random draws of
+one batch or round.
 """
 
 import contextlib
+import inspect
 import io
 import math
-import signal
 import warnings
 from functools import cache
 
 import keras
 import numpy as np
 import pytest
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism as loss_lib
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +38,8 @@ from kdpemb.callbacks import PrivacyBudget, RecallAtFAR
 from kdpemb.data import PoissonBatches, PoissonIndices, VirtualClients
 from kdpemb.metrics import recall_at_far
 from kdpemb.models import DPModel, FedEmbModel, LastLayerDPClassifier
+from kdpemb.privacy import accountant as accountant_lib
+from kdpemb.privacy import calibration
 
 
 def fuzz(max_examples):
@@ -42,33 +53,105 @@ def fuzz(max_examples):
     )
 
 
+# The bound on an accountant's work: no PLD of one step (or of the plain
+# Gaussian part) has more than MAX_PLD_POINTS grid steps of privacy loss,
+# as kdpemb coarsens the grid (or refuses) beyond that. dp-accounting's
+# connect-the-dots PLD has a point at each grid step of its loss range,
+# the range rounded out to the grid at both ends: at most 2 more.
+PLD_POINTS_BOUND = accountant_lib.MAX_PLD_POINTS + 2
+
+
+def pld_points(
+    standard_deviation,
+    sensitivity=1,
+    pessimistic_estimate=True,
+    value_discretization_interval=1e-4,
+    log_mass_truncation_bound=-50,
+    sampling_prob=1.0,
+    use_connect_dots=True,
+    neighboring_relation=pld_lib.NeighborRel.ADD_OR_REMOVE_ONE,
+):
+    """Points a side of the PLD `pld_lib.from_gaussian_mechanism` builds from
+    these arguments, from dp-accounting's own loss range (nothing built)."""
+    sides = (
+        (loss_lib.AdjacencyType.REPLACE,)
+        if neighboring_relation == pld_lib.NeighborRel.REPLACE_ONE
+        else (loss_lib.AdjacencyType.ADD, loss_lib.AdjacencyType.REMOVE)
+    )
+    points = 0
+    for side in sides:
+        bounds = loss_lib.GaussianPrivacyLoss(
+            standard_deviation,
+            sensitivity=sensitivity,
+            pessimistic_estimate=pessimistic_estimate,
+            log_mass_truncation_bound=log_mass_truncation_bound,
+            sampling_prob=sampling_prob,
+            adjacency_type=side,
+        ).connect_dots_bounds()
+        step = value_discretization_interval
+        points = max(
+            points,
+            math.ceil(bounds.epsilon_upper / step)
+            - math.floor(bounds.epsilon_lower / step)
+            + 1,
+        )
+    return points
+
+
+@pytest.fixture(autouse=True)
+def bounded_plds(monkeypatch):
+    """The points a side of every PLD built in the test, each checked
+    against `PLD_POINTS_BOUND` before it is built: a PLD past the bound
+    (1e8 points take hours) fails the test at once instead of hanging it."""
+    build = pld_lib.from_gaussian_mechanism
+    signature = inspect.signature(build)
+    built = []
+
+    def bounded(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        points = pld_points(**call.arguments)
+        assert points <= PLD_POINTS_BOUND, (
+            f"a PLD of {points} points a side, more than {PLD_POINTS_BOUND}: "
+            f"the accountant would not answer ({call.arguments})"
+        )
+        pld = build(*args, **kwargs)
+        for pmf in (pld._pmf_remove, pld._pmf_add):  # The count was right.
+            assert pmf.size <= points, (pmf.size, points)
+        built.append(points)
+        return pld
+
+    monkeypatch.setattr(pld_lib, "from_gaussian_mechanism", bounded)
+    accountant_lib._gaussian_pld.cache_clear()  # Every PLD of the test is seen.
+    return built
+
+
 @contextlib.contextmanager
-def time_limit(seconds=10):
-    """Fails a call that takes longer than `seconds` (a hang)."""
+def at_most(calls, owner, name):
+    """Counts the calls of `owner.name` (yields the count, a list of one);
+    the call past `calls` fails the test at once rather than run on."""
+    real = getattr(owner, name)
+    count = [0]
 
-    def hang(*_):
-        raise AssertionError(f"no answer within {seconds} s (a hang)")
+    def counted(*args, **kwargs):
+        count[0] += 1
+        assert count[0] <= calls, f"{name} called more than {calls} times"
+        return real(*args, **kwargs)
 
-    previous = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(owner, name, counted)
+        yield count
 
 
 def rejects(call, *names):
     """`call()` raises ValueError/TypeError naming one of `names`."""
-    with time_limit():
-        try:
-            result = call()
-        except (ValueError, TypeError) as error:
-            message = str(error)
-            assert any(name in message for name in names), (
-                f"error does not name {names}: {type(error).__name__}: {message}"
-            )
-            return error
+    try:
+        result = call()
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        assert any(name in message for name in names), (
+            f"error does not name {names}: {type(error).__name__}: {message}"
+        )
+        return error
     raise AssertionError(f"accepted silently, returned {result!r}")
 
 
@@ -320,10 +403,9 @@ def bad_delta():
 def test_epsilon_and_delta(kind, data):
     mechanism = MECHANISMS[kind]
     steps = data.draw(st.integers(1, 100))
-    with time_limit():
-        eps = privacy.epsilon(mechanism, steps, 1e-6)
-        assert 0 < eps < INF
-        assert 0 <= privacy.delta(mechanism, steps, eps) <= 1
+    eps = privacy.epsilon(mechanism, steps, 1e-6)  # PLDs: `bounded_plds`.
+    assert 0 < eps < INF
+    assert 0 <= privacy.delta(mechanism, steps, eps) <= 1
     rejects(lambda: privacy.epsilon(mechanism, data.draw(bad_steps()), 1e-6), "steps")
     rejects(lambda: privacy.epsilon(mechanism, steps, data.draw(bad_delta())), "delta")
     rejects(lambda: privacy.delta(mechanism, data.draw(bad_steps()), eps), "steps")
@@ -342,18 +424,20 @@ def test_epsilon_and_delta(kind, data):
 @fuzz(25)
 @given(st.sampled_from(["dp_sgd", "full_batch"]), st.data())
 def test_extreme_noise_multipliers(kind, data):
-    """Huge or tiny multipliers: an answer, or an error naming the multiplier."""
+    """Huge or tiny multipliers: an answer, or an error naming the multiplier.
+
+    PLD: no grid past the bound (`bounded_plds`). RDP: dp-accounting's
+    fixed orders, each a bounded series."""
     z = data.draw(st.one_of(st.floats(1e-300, 1e-6), st.floats(1e12, 1e308)), label="z")
     accountant = data.draw(st.sampled_from(["pld", "rdp"]))
     mechanism = MECHANISMS[kind]
-    with time_limit():
-        try:
-            mechanism = mechanism.with_noise_multiplier(z)
-            eps = privacy.epsilon(mechanism, 10, 1e-6, accountant=accountant)
-        except (ValueError, TypeError) as error:
-            assert "noise_multiplier" in str(error), error
-        else:
-            assert eps >= 0
+    try:
+        mechanism = mechanism.with_noise_multiplier(z)
+        eps = privacy.epsilon(mechanism, 10, 1e-6, accountant=accountant)
+    except (ValueError, TypeError) as error:
+        assert "noise_multiplier" in str(error), error
+    else:
+        assert eps >= 0
 
 
 @fuzz(15)
@@ -361,7 +445,9 @@ def test_extreme_noise_multipliers(kind, data):
 def test_max_steps(data):
     accountant = privacy.Accountant(MECHANISMS["dp_sgd"])
     target = data.draw(st.floats(0.1, 5.0))
-    with time_limit():
+    # The search composes for 0 and 300 steps, then bisects [0, 300]: at
+    # most 2 + ceil(log2 300) = 11 step counts, each of <= 300 steps.
+    with at_most(2 + math.ceil(math.log2(300)), accountant._impl, "epsilon"):
         steps = accountant.max_steps(1e-6, target_epsilon=target, limit=300)
     assert 0 <= steps <= 300
     if 0 < steps < 300:
@@ -394,7 +480,9 @@ def test_calibrate_noise_multiplier(data):
     mechanism = MECHANISMS["full_batch"]  # Exact ε: calibration is instant.
     steps = data.draw(st.integers(1, 100))
     target = data.draw(st.floats(0.5, 10.0))
-    with time_limit():
+    # One accountant at max_noise_multiplier, then one for each step of the
+    # search, which stops after 200 steps (calibration._search).
+    with at_most(1 + 200, calibration, "Accountant"):
         z = privacy.calibrate_noise_multiplier(
             mechanism, steps, 1e-6, target_epsilon=target
         )
@@ -587,14 +675,14 @@ def cli_is_valid(flag, value):
 
 @fuzz(30)
 @given(st.sampled_from(sorted(CLI_FLAGS)), CLI_BAD)
-def test_cli_bad_flag_values(flag, value):
+def test_cli_bad_flag_values(bounded_plds, flag, value):
     if cli_is_valid(flag, value):
         return
     argv = ["privacy", "epsilon"]
     for name, default in {**CLI_BASE, flag: value}.items():
         argv += [f"{name}={default}"]
-    with time_limit(20):
-        status, output = run_cli(argv)
+    status, output = run_cli(argv)
+    assert bounded_plds == []  # Refused before any accounting.
     assert status == 2, (argv, status, output)
     assert flag in output, (argv, output)
     assert "Traceback" not in output
@@ -685,9 +773,13 @@ def test_virtual_clients_good(data):
         kwargs["workers"] = 1
     else:  # The default floor(P / M) may be 1e300 rounds: refused (FOUND).
         kwargs["rounds_per_epoch"] = data.draw(st.integers(1, 10**12))
-    with time_limit():
-        clients = virtual_clients(**kwargs)
-        element = clients.round(data.draw(st.integers(0, len(clients) - 1)))
+    clients = virtual_clients(**kwargs)
+    index = data.draw(st.integers(0, len(clients) - 1))  # Up to 1e12.
+    # A round is drawn from its own random streams, whatever its index (not
+    # by replaying the rounds before it): its sample's (or its epoch's layout
+    # and the epoch's identity: two), and one for each client it holds.
+    with at_most(2 + clients.max_clients_per_round, VirtualClients, "_rng"):
+        element = clients.round(index)
     assert element["images"].shape[1:3] == (kwargs["local_steps"], kwargs["batch_size"])
     assert element["client_mask"].sum() <= clients.max_clients_per_round
 
@@ -794,13 +886,33 @@ def good_poisson_indices(draw):
     }
 
 
+class CountedDraws:
+    """A NumPy generator that counts the random values it hands out."""
+
+    def __init__(self, rng):
+        self._rng, self.values = rng, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._rng, name)
+
+        def draw(*args, **kwargs):
+            result = method(*args, **kwargs)
+            self.values += np.size(result)
+            return result
+
+        return draw
+
+
 @fuzz(60)
 @given(good_poisson_indices(), st.data())
 def test_poisson_indices(kwargs, data):
-    with time_limit():
-        batches = PoissonIndices(**kwargs)
-        indices, mask = batches[data.draw(st.integers(0, kwargs["steps"] - 1))]
+    batches = PoissonIndices(**kwargs)
+    batches._rng = draws = CountedDraws(batches._rng)
+    indices, mask = batches[data.draw(st.integers(0, kwargs["steps"] - 1))]
     n, chosen = kwargs["num_examples"], indices[mask == 1]
+    # A batch costs O(B) random values whatever its index, not O(N): the
+    # size of a Poisson sample, then its examples.
+    assert draws.values <= 1 + chosen.size
     assert len(batches) == kwargs["steps"] and indices.shape == mask.shape
     assert np.all(np.diff(chosen) > 0) and (chosen.size == 0 or chosen[-1] < n)
     bad = {
@@ -1304,11 +1416,17 @@ def test_found_by_fuzzing(case):
     assert [int(model.private_steps.value) for model in models] == before
 
 
-def test_tiny_noise_multiplier_answers():
-    """One sampled step of z = 0.01 used to build a PLD of ~1e8 points."""
+def test_tiny_noise_multiplier_answers(bounded_plds):
+    """One sampled step of z = 0.01 used to build a PLD of ~1e8 points (hours
+    of work); the grid is coarsened to at most `MAX_PLD_POINTS` steps."""
     mechanism = privacy.dp_sgd(0.01, batch_size=100, num_examples=10_000)
-    with time_limit(20):
-        accountant = privacy.Accountant(mechanism, "pld")
-        eps = accountant.epsilon(3, 1e-6)
+    q = mechanism.sampling_probability
+    assert pld_points(0.01, value_discretization_interval=1e-4, sampling_prob=q) > (
+        100 * PLD_POINTS_BOUND
+    )  # What the default grid would take.
+    accountant = privacy.Accountant(mechanism, "pld")
+    eps = accountant.epsilon(3, 1e-6)
     assert 1e3 < eps < INF
     assert accountant.value_discretization_interval_used > 1e-4
+    # The sampled step was built, within the bound (checked before building).
+    assert bounded_plds and max(bounded_plds) <= PLD_POINTS_BOUND

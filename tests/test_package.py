@@ -1,4 +1,8 @@
-"""`import kdpemb` is cheap, adds no backend, and refuses unsupported backends."""
+"""`import kdpemb` is cheap, adds no backend, and refuses unsupported backends.
+
+Cheap is checked by what the import loads, not by a clock (a loaded machine
+must not fail the suite): only kdpemb's own core and the standard library.
+"""
 
 import json
 import os
@@ -24,17 +28,14 @@ def run_python(code, backend=None, keras_home=None):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
-    )
+    )  # No timeout: the child imports, prints and exits; it waits on nothing.
 
 
 IMPORT_COST = """
-import json, sys, time
-start = time.perf_counter()
+import json, sys
+base = set(sys.modules)
 import kdpemb
-elapsed = time.perf_counter() - start
-loaded = sorted(m for m in ("keras", *PACKAGES) if m in sys.modules)
-print(json.dumps([elapsed, loaded]))
+print(json.dumps(sorted(set(sys.modules) - base)))
 """
 
 NEW_BACKEND_MODULES = """
@@ -53,10 +54,18 @@ def last_json_line(result):
 
 
 def test_import_is_quick_and_loads_neither_keras_nor_a_backend():
-    code = IMPORT_COST.replace("PACKAGES", repr(BACKEND_PACKAGES))
-    elapsed, loaded = last_json_line(run_python(code))
-    assert loaded == []
-    assert elapsed < 1.0
+    import kdpemb
+
+    new = last_json_line(run_python(IMPORT_COST))
+    packages = {name.split(".")[0] for name in new}
+    assert packages & {"keras", *BACKEND_PACKAGES} == set()
+    # Quick: nothing but the standard library and kdpemb's core; every
+    # submodule (privacy, data, models, ...) loads on first use.
+    assert packages - {"kdpemb"} <= set(sys.stdlib_module_names), sorted(packages)
+    eager = {f"kdpemb.{name}" for name in kdpemb._SUBMODULES} & {
+        ".".join(name.split(".")[:2]) for name in new
+    }
+    assert eager == set()
 
 
 def test_the_full_api_imports_no_backend_beyond_what_keras_imports():

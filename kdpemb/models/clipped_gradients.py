@@ -162,8 +162,9 @@ def _structure_problem(model, owners, sample_inputs):
 
 def _self_check_problem(model, plan, loss_fn, sample_inputs, sample_targets):
     """Why the by-layer plan cannot be trusted on this model ("" if it can):
-    its norms differ from per-example gradients of the whole model, or one
-    row's input changes another row's output.
+    its norms differ from per-example gradients of the whole model, the
+    sample gives nothing to compare (every reference norm 0 or not finite),
+    or one row's input changes another row's output.
 
     Both are taken at the current weights plus a fixed perturbation (a
     zero-initialised layer would otherwise hide the layers before it), on
@@ -201,6 +202,13 @@ def _self_check_problem(model, plan, loss_fn, sample_inputs, sample_targets):
             for row in range(rows)
         ]
     )
+    if not np.all(np.isfinite(whole)) or not np.any(whole > 0):
+        # Nothing to compare (a loss that vanishes or overflows on these
+        # targets): a plan that cannot be tested is not trusted.
+        return (
+            "the self-check's synthetic batch gives no finite, non-zero "
+            "gradient to compare the per-layer norms with"
+        )
     by_layer = backend.compiled(engine.per_example_norms)(params, fixed, x, y)
     by_layer = ops.convert_to_numpy(by_layer)
     if not np.allclose(by_layer, whole, rtol=1e-3, atol=1e-6 * (1 + whole.max())):

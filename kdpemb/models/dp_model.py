@@ -431,7 +431,14 @@ class DPModel(FrozenSettings, keras.Model):
         )
         if self.gradient_plan is not None and signature == self._plan_signature:
             return
-        sample_x, sample_y = _synthetic_like(x), _synthetic_like(y, zeros=True)
+        sample_x = synthetic_inputs(x, self.network)
+        if not _runs_on(self.network, sample_x):
+            # Ids that reach another layer as well (a CategoryEncoding
+            # refuses negative ones on TensorFlow): non-negative ids only.
+            sample_x = synthetic_inputs(x, self.network, aliases=False)
+        sample_y = synthetic_targets(
+            y, _num_outputs(self.network), getattr(self, "_class_labels", False)
+        )
         self.gradient_plan = plan_gradients(
             self.network, sample_x, self.gradient_method,
             self._per_example_loss, sample_y,
@@ -603,17 +610,80 @@ def _check_network(network):
     return network
 
 
-def _synthetic_like(array, zeros=False):
-    """Three rows of the shape and dtype of `array`'s rows, drawn from a
-    fixed seed: 0s and 1s for integers (valid indices, pixel values and
-    labels), normal values otherwise; zeros with `zeros`."""
-    shape, dtype = (3, *np.shape(array)[1:]), np.asarray(array[:1]).dtype
+def synthetic_inputs(x, network, aliases=True):
+    """Three rows of the shape and dtype of `x`'s rows, from a fixed seed (no
+    private value is read): normal values for floats; for integers, ids
+    that read every kind of row an `Embedding` of `network` may be given.
+
+    Integer rows span [−V, V) for the smallest table V of the network's
+    Embeddings, and row 0 pairs each id with its negative alias (id − V
+    reads the same row as id), row 1 repeats one id: a per-layer norm that
+    counts rows differently from the layer itself then differs from the
+    reference the self-check compares it with. Without `aliases`, for a
+    dtype that cannot hold −V (unsigned, or narrower than the table), and
+    without an Embedding, ids are non-negative: [0, V) ({0, 1} without an
+    Embedding), row 1 still one id repeated.
+    """
+    shape, dtype = (3, *np.shape(x)[1:]), np.asarray(x[:1]).dtype
     rng = np.random.default_rng(0)
-    if zeros:
-        return np.zeros(shape, dtype)
-    if not np.issubdtype(dtype, np.floating):
+    if np.issubdtype(dtype, np.floating):
+        return rng.normal(size=shape).astype(dtype)
+    if not np.issubdtype(dtype, np.integer):  # bool
         return rng.integers(0, 2, size=shape).astype(dtype)
-    return rng.normal(size=shape).astype(dtype)
+    from kdpemb.models.layer_taps import all_layers
+
+    tables = [
+        int(layer.embeddings.shape[0])
+        for layer in all_layers(network)
+        if isinstance(layer, keras.layers.Embedding) and layer.built
+    ]
+    table = min(tables, default=2)
+    size = min(table, int(np.iinfo(dtype).max) + 1)
+    # Aliases only where the dtype holds −V, and the network takes them.
+    signed = aliases and bool(tables) and int(np.iinfo(dtype).min) <= -table
+    ids = rng.integers(-size if signed else 0, size, size=shape).reshape(3, -1)
+    if ids.shape[1] > 1:
+        ids[1] = size - 1  # One id repeated,
+        if signed:  # and read through its alias −1; row 0: id and id − V.
+            ids[1, 0::2] = -1
+            ids[0, 0::2] %= size
+            ids[0, 1::2] = ids[0, 0::2][: ids.shape[1] // 2] - size
+    return ids.reshape(shape).astype(dtype)
+
+
+def _runs_on(network, inputs):
+    """Whether a forward pass of `network` on `inputs` runs (stateless: no
+    seed or statistic moves)."""
+    trainable = [v.value for v in network.trainable_variables]
+    fixed = [v.value for v in network.non_trainable_variables]
+    try:
+        network.stateless_call(trainable, fixed, inputs, training=False)
+    except Exception:  # Any refusal of these inputs by the network's layers.
+        return False
+    return True
+
+
+def synthetic_targets(y, num_outputs, class_labels):
+    """Three target rows of the shape and dtype of `y`'s rows, from a fixed
+    seed, chosen so that every loss is non-zero on them (zeros would make
+    one-hot cross-entropy vanish, and with it every norm the self-check
+    compares): class indices in [0, num_outputs) for sparse labels (of
+    any dtype), other integers in {0, 1}; otherwise positive values (that
+    sum to 1 along a last axis wider than 1: a distribution over classes),
+    a regression target away from any prediction. A loss that is still 0
+    or not finite on them makes the self-check fall back."""
+    shape, dtype = (3, *np.shape(y)[1:]), np.asarray(y[:1]).dtype
+    rng = np.random.default_rng(1)
+    if class_labels or not np.issubdtype(dtype, np.floating):
+        high = num_outputs if class_labels and num_outputs else 2
+        labels = rng.integers(0, high, size=shape)
+        if labels.size > 1 and high > 1:
+            labels.flat[:2] = [0, high - 1]
+        return labels.astype(dtype)
+    values = rng.uniform(0.1, 1.0, size=shape)
+    if len(shape) > 1 and shape[-1] > 1:
+        values = values / values.sum(axis=-1, keepdims=True)
+    return values.astype(dtype)
 
 
 def _check_single_device():

@@ -12,7 +12,8 @@ activation). Its squared L2 norm follows without forming the gradient
   per-example gradient (cost T · d_in · d_out); the cheaper is used. The
   bias adds `‖Σ_t g_t‖²`.
 - EinsumDense: the per-example kernel gradient, one `einsum`.
-- Embedding: `Σ_{t,s} [id_t = id_s] (g_t·g_s)` (repeated tokens add up).
+- Embedding: `Σ_{t,s} [row_t = row_s] (g_t·g_s)` (tokens that read the
+  same row add up; the row of id −k is V − k, as Keras reads it).
 - LayerNormalization, GroupNormalization: `γ` and `β` scale and shift the
   normalised input x̂ element-wise, so their per-example gradients are
   `Σ x̂ ⊙ g` and `Σ g` over the positions they are shared by.
@@ -258,8 +259,29 @@ def _conv(layer, a, g):
     return norms
 
 
+def embedding_rows(layer, ids):
+    """The rows of `layer`'s table that `ids` read, as Keras' Embedding reads
+    them: ids of a dtype other than int32/int64 cast to int32 (truncated
+    towards zero), then id −k (1 ≤ k ≤ V) read row V − k (`ops.take` wraps
+    negative indices on both backends). Ids outside [−V, V) read no row
+    (TensorFlow refuses them on the CPU; JAX gives NaN, which leaves the
+    example out); mapped here they stay outside [0, V), apart from every
+    row, so they can only add to an example's norm, never hide a repeat.
+
+    Comparing raw ids would count −1 and V − 1 as two rows: the norm of
+    their summed gradient would be under-counted, and one example could
+    move the clipped sum by up to √2 · C.
+    """
+    ids = ops.convert_to_tensor(ids)
+    if keras.backend.standardize_dtype(ids.dtype) not in ("int32", "int64"):
+        ids = ops.cast(ids, "int32")
+    rows = int(layer.embeddings.shape[0])
+    return ops.where(ids < 0, ids + ops.cast(rows, ids.dtype), ids)
+
+
 def _embedding(layer, ids, g):
-    ids = ops.reshape(ops.cast(ids, "int32"), (ops.shape(ids)[0], -1))
+    rows = embedding_rows(layer, ids)
+    ids = ops.reshape(rows, (ops.shape(rows)[0], -1))
     g = _positions(_f32(g))
     same = ops.cast(ops.expand_dims(ids, 2) == ops.expand_dims(ids, 1), "float32")
     squared = ops.sum(same * ops.einsum("btd,bsd->bts", g, g), axis=(1, 2))

@@ -15,9 +15,11 @@ noise z, has a far larger ε (or none at all).
 `Schedule.virtual_clients` and accounted like any other run), next to
 `.run`, the run's own z, M, population and ε at the same δ
 (`RunDescription`). Its summary, table and JSON (nested: `{"kind":
-"simulated_deployment", "deployment": {...}, "run": {...}}`) say
-"simulated deployment" everywhere, and `PrivacyStatement.from_json`
-refuses its JSON. The extrapolation keeps the run's unit, users per
+"simulated_deployment", "deployment": {"simulated": true, ...}, "run":
+{...}}`) say "simulated deployment" everywhere, and so does `.deployment`
+on its own (`simulated=True`: its summary, table and dict), so that
+`PrivacyStatement.from_json` refuses the whole JSON and its "deployment"
+entry alike. The extrapolation keeps the run's unit, users per
 virtual client k (so its neighbouring relation: replace-one for k > 1),
 sampling (Poisson only), local steps and number of rounds; the
 deployment's pool is `ceil(deployment_users / k)` virtual clients, or
@@ -140,12 +142,14 @@ class DeploymentStatement:
 
     Not a `PrivacyStatement` (and not one by `isinstance`): it holds the
     deployment's `PrivacyStatement` as `deployment`, and the run as `run`.
-    `PrivacyStatement.from_json` refuses its JSON; read it back with
-    `DeploymentStatement.from_json`.
+    `PrivacyStatement.from_json` refuses its JSON, and the dict of its
+    `deployment`; read it back with `DeploymentStatement.from_json`.
 
     Attributes:
         deployment: `PrivacyStatement`. The deployment's guarantee (s·z
-            noise, s·M clients per round, its population and pool).
+            noise, s·M clients per round, its population and pool), marked
+            `simulated=True` (marked here if it was not): its own summary
+            opens with "SIMULATED DEPLOYMENT (NOT this run's guarantee)".
         scale: float. s: the deployment has s times the run's noise
             multiplier and clients per round.
         deployment_clients_per_round: float. The deployment's s·M.
@@ -164,6 +168,8 @@ class DeploymentStatement:
     False
     >>> statement.deployment_clients_per_round, round(statement.deployment.epsilon, 2)
     (131072.0, 1.48)
+    >>> print(statement.deployment.summary())  # doctest: +ELLIPSIS
+    SIMULATED DEPLOYMENT (NOT this run's guarantee): (ε = 1.48, δ = 1e-08)-DP ...
     """
 
     title = "Privacy statement of a SIMULATED DEPLOYMENT (not this run's guarantee)"
@@ -180,6 +186,9 @@ class DeploymentStatement:
                 "deployment must be the deployment's PrivacyStatement, got "
                 f"{type(self.deployment).__name__}."
             )
+        if not self.deployment.simulated:  # Never shown as a run's on its own.
+            marked = dataclasses.replace(self.deployment, simulated=True)
+            object.__setattr__(self, "deployment", marked)
         if not isinstance(self.run, RunDescription):
             raise TypeError(
                 f"run must be a RunDescription, got {type(self.run).__name__}."
@@ -203,8 +212,8 @@ class DeploymentStatement:
             f"multiplier {run.noise_multiplier:.4g} and "
             f"{_count(run.clients_per_round)} clients per round over "
             f"{run.population:,} {unit}s (same mean-update noise z·C/M). The "
-            f"deployment would satisfy: {deployment.summary()} This run's own "
-            f"guarantee: {run.describe_epsilon(deployment.delta)}."
+            f"deployment would satisfy: {deployment._guarantee_summary()} This "
+            f"run's own guarantee: {run.describe_epsilon(deployment.delta)}."
         )
 
     def rows(self):
@@ -217,7 +226,7 @@ class DeploymentStatement:
             ),
             *[
                 (f"{field} (deployment)", value)
-                for field, value in self.deployment.rows()
+                for field, value in self.deployment._guarantee_rows()
             ],
             (
                 "clients per round (deployment)",
@@ -237,7 +246,8 @@ class DeploymentStatement:
         ]
 
     def to_dict(self):
-        """A JSON-ready, nested dict: kind, scale, deployment, run."""
+        """A JSON-ready, nested dict: kind, scale, deployment (`"simulated":
+        true`), run."""
         return {
             "kind": KIND,
             "scale": self.scale,
@@ -251,6 +261,8 @@ class DeploymentStatement:
 
     @classmethod
     def from_dict(cls, data):
+        """The statement `to_dict` wrote (its "deployment" with or without
+        `"simulated": true`, as earlier versions wrote it)."""
         if data.get("kind") != KIND:
             raise ValueError(
                 f"A DeploymentStatement dict has kind={KIND!r}, got "
@@ -258,7 +270,7 @@ class DeploymentStatement:
                 "PrivacyStatement.from_dict."
             )
         return cls(
-            deployment=PrivacyStatement.from_dict(data["deployment"]),
+            deployment=PrivacyStatement._build(data["deployment"], simulated=True),
             scale=data["scale"],
             deployment_clients_per_round=data["deployment_clients_per_round"],
             run=RunDescription.from_dict(data["run"]),

@@ -12,6 +12,8 @@ from kdpemb.version import __version__
 
 # The "kind" of a `DeploymentStatement`'s dict (kdpemb.privacy.deployment).
 DEPLOYMENT_KIND = "simulated_deployment"
+# What a simulated deployment's statement (`simulated=True`) says first.
+SIMULATED_LABEL = "SIMULATED DEPLOYMENT (NOT this run's guarantee)"
 
 _ACCOUNTANT_NAMES = {
     "pld": "PLD (privacy loss distributions, dp-accounting)",
@@ -51,6 +53,11 @@ class PrivacyStatement:
             form (no sampling: tree aggregation), else None.
         mechanism: dict. The mechanism's parameters.
         kdpemb_version, dp_accounting_version: str. Software that computed it.
+        simulated: bool. True for the guarantee of a *simulated deployment*
+            (the `deployment` a `DeploymentStatement` holds), never a run's
+            own: its summary, table and dict say so, and `from_dict` /
+            `from_json` refuse its dict (read the whole
+            `DeploymentStatement` instead). False (default): a run's.
 
     Example:
 
@@ -86,6 +93,7 @@ class PrivacyStatement:
     dp_accounting_version: str = dataclasses.field(
         default_factory=_dp_accounting_version
     )
+    simulated: bool = False
 
     @classmethod
     def compute(cls, mechanism, steps, delta, accountant=None):
@@ -132,7 +140,16 @@ class PrivacyStatement:
         return math.isfinite(self.epsilon)
 
     def summary(self):
-        """One line: the guarantee, its unit, relation and schedule."""
+        """One line: the guarantee, its unit, relation and schedule (opening
+        with "SIMULATED DEPLOYMENT (NOT this run's guarantee)" when
+        `simulated`)."""
+        if self.simulated:
+            return f"{SIMULATED_LABEL}: {self._guarantee_summary()}"
+        return self._guarantee_summary()
+
+    def _guarantee_summary(self):
+        """`summary` without the simulated-deployment label (for a
+        `DeploymentStatement`, which labels it itself)."""
         if self.is_private:
             head = f"(ε = {self.epsilon:.3g}, δ = {self.delta:.3g})-DP"
         else:
@@ -154,10 +171,15 @@ class PrivacyStatement:
         return "; ".join(parts) + "."
 
     def to_dict(self):
-        """A JSON-ready dict; an infinite ε is written as null."""
+        """A JSON-ready dict; an infinite ε is written as null. A simulated
+        deployment's opens with `"simulated": true`; a run's has no
+        "simulated" entry."""
         data = dataclasses.asdict(self)
+        del data["simulated"]
         if not self.is_private:
             data["epsilon"] = None
+        if self.simulated:
+            return {"simulated": True, **data}
         return data
 
     def to_json(self, indent=2):
@@ -165,7 +187,15 @@ class PrivacyStatement:
 
     @classmethod
     def from_dict(cls, data):
-        """The statement `to_dict` wrote; refuses a simulated deployment's."""
+        """The statement `to_dict` wrote; refuses a simulated deployment's
+        (a `DeploymentStatement`'s dict, or the statement it holds)."""
+        if data.get("simulated"):
+            raise ValueError(
+                'This dict has "simulated": true: it is the guarantee of a '
+                "SIMULATED DEPLOYMENT (the 'deployment' entry of a "
+                "DeploymentStatement), not of a run. Read the whole statement "
+                "with DeploymentStatement.from_dict / from_json."
+            )
         if "kind" in data or "deployment" in data:
             kind = data.get("kind")
             if kind == DEPLOYMENT_KIND or "deployment" in data:
@@ -179,17 +209,38 @@ class PrivacyStatement:
                 f"This dict has kind={kind!r}; a PrivacyStatement dict has no "
                 "'kind' (it comes from PrivacyStatement.to_dict)."
             )
+        return cls._build(data, simulated=False)
+
+    @classmethod
+    def _build(cls, data, *, simulated):
+        """The statement of `data` (a `to_dict`), as a run's or as a
+        simulated deployment's (`DeploymentStatement.from_dict`)."""
         data = dict(data)
+        data.pop("simulated", None)
         if data.get("epsilon") is None:
             data["epsilon"] = math.inf
-        return cls(**data)
+        return cls(**data, simulated=simulated)
 
     @classmethod
     def from_json(cls, text):
         return cls.from_dict(json.loads(text))
 
+    @property
+    def _heading(self):
+        """The title of its table: `title`, or the simulated deployment's."""
+        if self.simulated:
+            return f"Privacy statement of a {SIMULATED_LABEL}"
+        return self.title
+
     def rows(self):
-        """(field, value) pairs for display."""
+        """(field, value) pairs for display; a simulated deployment's open
+        with ("statement of", "SIMULATED DEPLOYMENT ...")."""
+        marker = [("statement of", SIMULATED_LABEL)] if self.simulated else []
+        return marker + self._guarantee_rows()
+
+    def _guarantee_rows(self):
+        """`rows` without the simulated-deployment row (for a
+        `DeploymentStatement`, which labels its rows itself)."""
         epsilon = f"{self.epsilon:.4g}" if self.is_private else "∞ (no privacy)"
 
         def optional(value, fmt):
@@ -220,10 +271,10 @@ class PrivacyStatement:
         ]
 
     def __rich__(self):
-        return rich_table(self.title, self.rows())
+        return rich_table(self._heading, self.rows())
 
     def __str__(self):
-        return text_table(self.title, self.rows())
+        return text_table(self._heading, self.rows())
 
 
 def rich_table(title, rows):

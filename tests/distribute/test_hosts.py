@@ -16,16 +16,33 @@ from kdpemb.errors import HostsDisagreeError
 
 
 def on_hosts(count, work):
-    """`[work(hosts) for each host]`, run concurrently; exceptions returned."""
-    barrier = threading.Barrier(count, timeout=30)
+    """`[work(hosts) for each host]`, run concurrently; exceptions returned.
+
+    No clock: a host that leaves (returns or raises) while another waits in
+    an `all_gather` it never joins, or before another enters one, breaks it
+    (BrokenBarrierError on that host), so every thread ends.
+    """
+    barrier = threading.Barrier(count)
+    lock = threading.Lock()
     rows = [None] * count
+    entered = [0] * count  # all_gathers each host has entered ...
+    completed = [0] * count  # ... and come out of.
+    gone = [False] * count
 
     def make(index):
         def all_gather(words):
+            with lock:
+                entered[index] += 1
+                if any(gone):
+                    raise threading.BrokenBarrierError(
+                        f"host {gone.index(True)} left before this all_gather"
+                    )
             rows[index] = np.array(words, np.int32)
             barrier.wait()
             gathered = np.stack(rows)
             barrier.wait()
+            with lock:
+                completed[index] += 1
             return gathered
 
         return Hosts(index, count, all_gather, engine="threads")
@@ -37,13 +54,34 @@ def on_hosts(count, work):
             results[index] = work(make(index))
         except Exception as error:  # Returned to the test.
             results[index] = error
+        finally:
+            with lock:
+                gone[index] = True
+                if max(entered) > completed[index]:  # Someone waits for it.
+                    barrier.abort()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join()
     return results
+
+
+def test_a_host_that_leaves_breaks_the_others_all_gather():
+    # What keeps `on_hosts` from waiting forever on a host that is gone.
+    def work(hosts, leave):
+        if hosts.index == 1:
+            return leave()  # Never gathers: host 0 would wait forever.
+        return hosts.gather_ints([1])
+
+    def refuse():
+        raise ValueError("refused")
+
+    for leave, gone in ((lambda: "left", "left"), (refuse, ValueError)):
+        host0, host1 = on_hosts(2, lambda hosts, leave=leave: work(hosts, leave))
+        assert isinstance(host0, threading.BrokenBarrierError), host0
+        assert host1 == gone or isinstance(host1, gone)
 
 
 def test_one_process_is_one_chief_host():

@@ -379,3 +379,144 @@ def test_sparse_labels_with_several_output_axes_train_and_are_range_checked():
     assert protocol.read_private_steps(model) == 0
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert protocol.read_private_steps(model) == 2
+
+
+@pytest.mark.filterwarnings("ignore::kdpemb.errors.SmallPopulationWarning")
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per_layer"])
+def test_one_example_reading_a_row_through_its_negative_alias_moves_at_most_c(
+    per_layer,
+):
+    # Ids −1 and V − 1 read the same row: one example's gradient there is
+    # the sum of both tokens', and its contribution is clipped as one.
+    keras.utils.set_random_seed(0)
+    readout = layers.Dense(1, kernel_initializer="ones", trainable=False)
+    network = keras.Sequential(
+        [keras.Input((2,)), layers.Embedding(5, 4), layers.Flatten(), readout]
+    )
+    c = 0.01
+    model = DPModel(network, clip_norm=c, noise_multiplier=0.0, sampling="fixed",
+                    per_layer_clipping=per_layer, seed=0)  # fmt: skip
+    model.compile(keras.optimizers.SGD(1.0), "mse")
+    before = weights(network)
+    x = np.array([[-1, 4]], "int32")
+    model.fit(x, np.array([[1000.0]], "float32"), batch_size=None, verbose=0)
+    # The self-check (on aliased ids) trusts the fixed ghost norm.
+    assert model.gradient_plan.mode == "layers", model.gradient_plan.describe()
+    moved = np.sqrt(
+        sum(np.sum((a - b) ** 2) for a, b in zip(weights(network), before, strict=True))
+    )
+    assert moved == pytest.approx(c, rel=1e-4)
+
+
+def tied_output_model(vocabulary=7, width=3):
+    """Its output projection reads the input embedding's table outside the
+    Embedding's call: a per-layer plan would drop that path's gradient."""
+
+    class TiedOutput(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embed = layers.Embedding(vocabulary, width)
+            self.mix = layers.Dense(width)
+
+        def call(self, ids):
+            h = self.mix(self.embed(ids))
+            return keras.ops.matmul(h, keras.ops.transpose(self.embed.embeddings))
+
+    keras.utils.set_random_seed(0)
+    model = TiedOutput()
+    model(np.zeros((2, 4), "int32"))
+    return model
+
+
+@pytest.mark.parametrize(
+    "loss",
+    ["categorical_crossentropy",
+     keras.losses.CategoricalCrossentropy(from_logits=True)],
+    ids=["probabilities", "logits"],
+)  # fmt: skip
+def test_tied_weights_with_one_hot_targets_fall_back_and_train_exactly(loss):
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 7, size=(6, 4)).astype("int32")
+    y = keras.ops.convert_to_numpy(keras.ops.one_hot(rng.integers(0, 7, (6, 4)), 7))
+    network = tied_output_model()
+    reference = tied_output_model()
+    model = DPModel(network, clip_norm=1e6, noise_multiplier=0.0, seed=0)
+    model.compile(keras.optimizers.SGD(0.5), loss)
+    model.fit(x, y, batch_size=None, verbose=0)  # Full batch, no clipping.
+    assert model.gradient_plan.mode == "whole_model", model.gradient_plan.describe()
+    reference.compile(keras.optimizers.SGD(0.5), loss)
+    reference.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False)
+    for got, want in zip(weights(network), weights(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_self_check_with_nothing_to_compare_does_not_trust_the_plan():
+    network = tied_output_model()
+    x = np.array([[0, 1, 2, 3]] * 3, "int32")
+    zeros = np.zeros((3, 4, 7), "float32")  # One-hot cross-entropy is 0 on them.
+    plan = plan_gradients(network, x, "auto", keras.losses.categorical_crossentropy,
+                          zeros)  # fmt: skip
+    assert plan.mode == "whole_model"
+    assert "no finite, non-zero gradient" in plan.reason
+
+
+def test_synthetic_samples_read_ids_through_aliases_and_give_a_non_zero_loss():
+    from kdpemb.models.dp_model import synthetic_inputs, synthetic_targets
+
+    network = keras.Sequential(
+        [keras.Input((6,)), layers.Embedding(9, 2), layers.Embedding(5, 2)]
+    )
+    ids = synthetic_inputs(np.zeros((10, 6), "int64"), network)
+    assert ids.dtype == np.int64 and ids.shape == (3, 6)
+    assert ids.min() >= -5 and ids.max() < 5  # The smaller table's range.
+    rows = ids % 5
+    for k in range(3):  # Row 0: each id beside its alias id − 5.
+        assert ids[0, 2 * k] >= 0 and ids[0, 2 * k + 1] < 0
+        assert rows[0, 2 * k] == rows[0, 2 * k + 1]
+    assert set(ids[1]) == {-1, 4}  # One row, read both ways.
+    labels = synthetic_targets(np.zeros((10,), "int32"), 4, class_labels=True)
+    assert labels.min() == 0 and labels.max() == 3
+    one_hot = synthetic_targets(np.zeros((10, 4), "float32"), 4, class_labels=False)
+    loss = keras.losses.categorical_crossentropy(one_hot, np.full((3, 4), 0.25))
+    assert np.all(keras.ops.convert_to_numpy(loss) > 0)
+
+
+@pytest.mark.filterwarnings("ignore::kdpemb.errors.SmallPopulationWarning")
+def test_the_self_check_catches_a_norm_that_counts_ids_not_rows(monkeypatch):
+    # The ghost norm as it was: raw ids compared, −1 and V − 1 two rows.
+    from kdpemb.models import ghost_norms
+
+    monkeypatch.setattr(
+        ghost_norms, "embedding_rows", lambda layer, ids: keras.ops.cast(ids, "int32")
+    )
+    network = keras.Sequential(
+        [keras.Input((2,)), layers.Embedding(5, 4), layers.Flatten(), layers.Dense(1)]
+    )
+    model = DPModel(network, clip_norm=0.01, noise_multiplier=0.0, seed=0)
+    model.compile(keras.optimizers.SGD(1.0), "mse")
+    before = weights(network)
+    model.fit(np.array([[-1, 4]], "int32"), np.array([[1000.0]], "float32"),
+              batch_size=None, verbose=0)  # fmt: skip
+    assert model.gradient_plan.mode == "whole_model", model.gradient_plan.describe()
+    moved = np.sqrt(
+        sum(np.sum((a - b) ** 2) for a, b in zip(weights(network), before, strict=True))
+    )
+    assert moved == pytest.approx(0.01, rel=1e-4)
+
+
+def test_ids_that_another_layer_refuses_negative_are_planned_on_valid_ids():
+    # The self-check's aliased ids are negative; CategoryEncoding refuses
+    # them on TensorFlow, so the plan is made on ids in [0, V).
+    ids = keras.Input((6,), dtype="int32")
+    pooled = layers.GlobalAveragePooling1D()(layers.Embedding(20, 3)(ids))
+    counts = layers.CategoryEncoding(20, output_mode="multi_hot")(ids)
+    output = layers.Dense(2)(layers.Concatenate()([pooled, counts]))
+    network = keras.Model(ids, output)
+    x = RNG.integers(0, 20, size=(8, 6)).astype("int32")
+    y = RNG.integers(0, 2, size=8).astype("int32")
+    model = DPModel(network, noise_multiplier=0.0, seed=0)
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    before = weights(network)
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert model.gradient_plan.mode == "layers", model.gradient_plan.describe()
+    assert any(np.any(a != b) for a, b in zip(weights(network), before, strict=True))

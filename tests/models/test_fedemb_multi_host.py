@@ -23,8 +23,11 @@ single process, the reference on the same seeded rounds. The tests check:
 
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import keras
@@ -72,26 +75,60 @@ def run_job(out_dir):
     commands = [
         [sys.executable, str(WORKER), *map(str, run), str(data_dir)] for run in runs
     ]
+    outputs = run_all(commands, env)
+    # The process that failed first, before those killed for it.
+    for code, output in sorted(outputs, key=lambda o: o[0] == -signal.SIGKILL):
+        assert code == 0, output[-6000:]
+    reports = [json.loads((out_dir / f"host{h}.json").read_text()) for h in range(2)]
+    reports.append(json.loads((reference_dir / "host0.json").read_text()))
+    return reports
+
+
+def run_all(commands, env):
+    """`[(exit status, output)]` of `commands`, run concurrently.
+
+    No timeout: the workers' work is bounded, and the first to fail (a host
+    that dies leaves its peer waiting in a collective) gets the others
+    killed, so every process ends.
+    """
     processes = [
         subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         for command in commands
     ]
-    outputs = []
+    outputs = [None] * len(processes)
+    ended = queue.Queue()
+
+    def collect(index):
+        try:
+            output, _ = processes[index].communicate()
+            outputs[index] = (
+                processes[index].returncode,
+                output.decode("utf-8", "replace"),
+            )
+        finally:
+            if outputs[index] is None:
+                outputs[index] = (None, "reading the output failed")
+            ended.put(index)
+
+    threads = [
+        threading.Thread(target=collect, args=(i,), daemon=True)
+        for i in range(len(processes))
+    ]
     try:
-        for process in processes:
-            output, _ = process.communicate(timeout=400)
-            outputs.append((process.returncode, output.decode(errors="replace")))
+        for thread in threads:
+            thread.start()
+        for _ in processes:
+            if outputs[ended.get()][0] != 0:
+                break
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    for code, output in outputs:
-        assert code == 0, output[-6000:]
-    reports = [json.loads((out_dir / f"host{h}.json").read_text()) for h in range(2)]
-    reports.append(json.loads((reference_dir / "host0.json").read_text()))
-    return reports
+        for thread in threads:
+            thread.join()
+    return outputs
 
 
 @pytest.fixture(scope="module")

@@ -382,6 +382,72 @@ def test_log_ndtr_is_accurate_in_both_tails():
         )
 
 
+# σ/Δ from 0.5 to 1e7, log-spaced: up to where δ(ε) is a difference of
+# two terms 1e7 times larger (issue 31, item 5).
+EXACT_NOISES = [float(s) for s in np.geomspace(0.5, 1e7, 30)]
+EXACT_DELTAS = [1e-3, 1e-5, 1e-8, 1e-10, 1e-12]
+
+
+def exact_delta(noise, epsilon):
+    """δ(ε) of Balle and Wang's Theorem 8 at 60 digits (mpmath)."""
+    import mpmath
+
+    with mpmath.workdps(60):
+        noise, epsilon = mpmath.mpf(noise), mpmath.mpf(epsilon)
+        shift, scaled = 1 / (2 * noise), epsilon * noise
+        return mpmath.ncdf(shift - scaled) - mpmath.exp(epsilon) * mpmath.ncdf(
+            -shift - scaled
+        )
+
+
+def exact_epsilon(noise, delta, guess):
+    """The smallest ε with δ(ε) <= delta, by bisection at 60 digits: an upper
+    end within 1e-25 relative of it (0 if δ(0) <= delta). `guess` only
+    narrows the first bracket, which is checked (else ε in [0, 1e4])."""
+    import mpmath
+
+    with mpmath.workdps(60):
+        if exact_delta(noise, 0) <= delta:
+            return mpmath.mpf(0)
+        low, high = (
+            mpmath.mpf(guess) * (1 - mpmath.mpf("1e-4")),
+            mpmath.mpf(guess) * (1 + mpmath.mpf("1e-4")),
+        )
+        if not (exact_delta(noise, low) > delta >= exact_delta(noise, high)):
+            low, high = mpmath.mpf(0), mpmath.mpf(10_000)
+        while high - low > high * mpmath.mpf("1e-25"):
+            middle = (low + high) / 2
+            if exact_delta(noise, middle) <= delta:
+                high = middle
+            else:
+                low = middle
+        return high
+
+
+@pytest.mark.parametrize("delta", EXACT_DELTAS)
+def test_the_closed_form_is_rounded_up_against_60_digits(delta):
+    """ε(δ), δ(ε) and σ(ε, δ) are never below the exact values (mpmath, 60
+    digits), at σ/Δ from 0.5 to 1e7, and within 1e-6 relative of them."""
+    from kdpemb.privacy import analytic_gaussian
+
+    for noise in EXACT_NOISES:
+        ours = analytic_gaussian.epsilon_for_delta(noise, delta)
+        exact = exact_epsilon(noise, delta, ours)
+        assert ours >= exact, (noise, ours, float(exact))
+        assert ours <= exact * (1 + 1e-6) + 1e-300, (noise, ours, float(exact))
+        if exact == 0:
+            continue
+        # δ at the exact ε (and at ours) is rounded up, and not by much.
+        for epsilon in (float(exact), ours):
+            stated = analytic_gaussian.delta_for_epsilon(noise, epsilon)
+            true = exact_delta(noise, epsilon)
+            assert true <= stated <= true * (1 + 1e-6), (noise, epsilon)
+        # σ for ε = ours: the exact σ is at most `noise` (ours >= exact ε).
+        sigma = analytic_gaussian.noise_for_epsilon(ours, delta)
+        assert exact_delta(sigma, ours) <= delta, (noise, sigma)
+        assert sigma <= noise * (1 + 1e-6), (noise, sigma)
+
+
 def test_sampled_schedules_never_get_the_closed_form(monkeypatch):
     """Poisson steps (alone or after Gaussian releases) go through the PLD."""
     from kdpemb.privacy import analytic_gaussian
@@ -442,3 +508,15 @@ def test_a_wide_loss_range_coarsens_the_grid_and_stays_an_upper_bound(
     finer = dpa.pld.PLDAccountant(relation, fine).compose(event)
     assert got >= finer.get_epsilon(1e-6)
     assert got <= 1.05 * finer.get_epsilon(1e-6)
+
+
+def test_the_closed_form_at_tiny_noise_is_no_guarantee_and_does_not_overflow():
+    # The rounding bound grows as 1/σ²; δ stays at most 1 (and ε finite).
+    from kdpemb.privacy import analytic_gaussian
+
+    for noise in (1e-6, 1e-10, 1e-150):
+        assert analytic_gaussian.delta_for_epsilon(noise, 0.0) == 1.0
+        assert analytic_gaussian.delta_for_epsilon(noise, 1.0) <= 1.0
+        assert analytic_gaussian.epsilon_for_delta(noise, 1e-5) > 1e6
+    mechanism = privacy.full_batch(1e-6, num_examples=1000)
+    assert privacy.delta(mechanism, 10**6, 1.0) == 1.0

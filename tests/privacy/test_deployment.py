@@ -97,9 +97,13 @@ def test_scale_one_on_the_run_population_is_the_run_itself(num_clients):
         run, 0.9, 400, scale=1, deployment_users=20_000, delta=1e-6, clip_norm=0.5
     )
     for field in dataclasses.fields(privacy.PrivacyStatement):
-        value = getattr(same.deployment, field.name)
-        assert value == getattr(own, field.name), field.name
+        if field.name != "simulated":
+            value = getattr(same.deployment, field.name)
+            assert value == getattr(own, field.name), field.name
     assert same.deployment.mechanism == own.mechanism
+    # The same figures, but held as a simulated deployment's, not the run's.
+    assert same.deployment.simulated and not own.simulated
+    assert same.deployment != own
     assert privacy.deployment_schedule(run, 1, 20_000) == run
     assert same.summary().startswith("Simulated deployment")
     # s = 1: the run's own ε is computed like the deployment's (PLD), and is it.
@@ -148,9 +152,92 @@ def test_it_is_never_shown_or_read_back_as_the_run_own_guarantee():
         privacy.PrivacyStatement.from_dict(flat)
     with pytest.raises(ValueError, match="kind='simulated_deployment'"):
         privacy.DeploymentStatement.from_dict(data["deployment"])
-    # The deployment's own statement still round-trips as a PrivacyStatement.
-    own = privacy.PrivacyStatement.from_dict(data["deployment"])
-    assert own == deployed.deployment
+    # Nor is the statement it holds read back as a run's (next test).
+    with pytest.raises(ValueError, match=r"DeploymentStatement\.from_dict"):
+        privacy.PrivacyStatement.from_dict(data["deployment"])
+
+
+def deployment_of_the_poster_run():
+    run = privacy.Schedule.virtual_clients(160_000, 2048)
+    return privacy.simulated_deployment(
+        run,
+        0.02,
+        200,
+        scale=64,
+        deployment_users=10_000_000,
+        delta=1e-8,
+        accountant="rdp",
+    )
+
+
+def test_the_deployment_it_holds_is_marked_simulated_and_never_read_as_a_run():
+    # Issue 31, item 3: `.deployment` on its own (its summary, table, dict)
+    # read as a guarantee: "(ε = 4.22, δ = 1e-08)-DP per user".
+    deployed = deployment_of_the_poster_run()
+    held = deployed.deployment
+    assert isinstance(held, privacy.PrivacyStatement) and held.simulated
+    label = "SIMULATED DEPLOYMENT (NOT this run's guarantee)"
+    assert held.summary().startswith(f"{label}: (ε = 1.48, δ = 1e-08)-DP per user")
+    assert held.rows()[0] == ("statement of", label)
+    assert str(held).splitlines()[0] == f"Privacy statement of a {label}"
+    assert "SIMULATED DEPLOYMENT" in str(held).splitlines()[1]
+    # Its dict says so first, whether taken from the object or from the JSON.
+    nested = held.to_dict()
+    assert next(iter(nested.items())) == ("simulated", True)
+    assert deployed.to_dict()["deployment"] == nested
+    from_json = json.loads(deployed.to_json())["deployment"]
+    assert from_json["simulated"] is True
+    for data in (nested, from_json):
+        refused = r"SIMULATED DEPLOYMENT.*DeploymentStatement\.from_dict"
+        with pytest.raises(ValueError, match=refused):
+            privacy.PrivacyStatement.from_dict(data)
+        with pytest.raises(ValueError, match=r"DeploymentStatement\.from_dict"):
+            privacy.PrivacyStatement.from_json(json.dumps(data))
+    # The whole statement round-trips, its deployment still marked.
+    back = privacy.DeploymentStatement.from_json(deployed.to_json())
+    assert back == deployed and back.deployment.simulated
+    assert privacy.DeploymentStatement.from_dict(deployed.to_dict()) == deployed
+    # The DeploymentStatement's own summary and rows say it once, up front.
+    assert deployed.summary().count("SIMULATED DEPLOYMENT") == 0
+    assert deployed.summary().startswith("Simulated deployment (NOT this run's")
+    assert "statement of (deployment)" not in dict(deployed.rows())
+
+
+def test_earlier_json_and_run_statements_still_load_as_they_were():
+    deployed = deployment_of_the_poster_run()
+    # A DeploymentStatement written before "simulated" existed: still read,
+    # and its deployment marked simulated.
+    earlier = deployed.to_dict()
+    earlier["deployment"] = {
+        k: v for k, v in earlier["deployment"].items() if k != "simulated"
+    }
+    back = privacy.DeploymentStatement.from_dict(earlier)
+    assert back == deployed and back.deployment.simulated
+    # A run's own statement has no "simulated" entry, and loads as a run's,
+    # also with an explicit "simulated": false.
+    own = privacy.PrivacyStatement.compute(
+        privacy.Schedule.virtual_clients(160_000, 2048).privacy_mechanism(1.0),
+        10,
+        1e-8,
+        accountant="rdp",
+    )
+    assert "simulated" not in own.to_dict() and not own.simulated
+    assert privacy.PrivacyStatement.from_json(own.to_json()) == own
+    assert (
+        privacy.PrivacyStatement.from_dict({**own.to_dict(), "simulated": False}) == own
+    )
+    assert not own.summary().startswith("SIMULATED")
+    assert "statement of" not in dict(own.rows())
+    # A DeploymentStatement built around a run's statement marks its copy
+    # of it, and leaves the run's statement alone.
+    wrapped = privacy.DeploymentStatement(
+        deployment=own,
+        scale=1.0,
+        deployment_clients_per_round=2048.0,
+        run=deployed.run,
+    )
+    assert wrapped.deployment.simulated and not own.simulated
+    assert wrapped.deployment.epsilon == own.epsilon
 
 
 def test_run_epsilon_is_the_run_own_rdp_epsilon_at_the_same_delta():
@@ -218,7 +305,12 @@ def test_every_deployment_row_is_labelled_and_counts_are_integers():
         accountant="rdp",
     )
     rows = deployed.rows()
-    deployment_fields = [field for field, _ in deployed.deployment.rows()]
+    # The held statement's first row marks it simulated; here the
+    # DeploymentStatement's own first row ("statement of") says so.
+    marker, *deployment_rows = deployed.deployment.rows()
+    assert marker[0] == "statement of" and "SIMULATED" in marker[1]
+    assert rows[0][0] == "statement of" and "SIMULATED" in rows[0][1]
+    deployment_fields = [field for field, _ in deployment_rows]
     for field in deployment_fields:
         assert (field + " (deployment)") in [name for name, _ in rows]
     assert not any(name in deployment_fields for name, _ in rows)

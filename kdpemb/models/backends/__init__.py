@@ -11,7 +11,8 @@ differ between backends live here, the way Keras splits its own trainers:
   to the outputs of tapped layers (`kdpemb.models.layer_taps`).
 - `compiled(fn)`: `fn`, compiled where eager execution is slow (JAX).
 - `per_example_map(fn, *tensors)`: `fn` over the rows of `tensors`,
-  vectorised (`vmap`, `vectorized_map`).
+  vectorised (`vmap`, `vectorized_map`; on TensorFlow a `map_fn` loop
+  where `vectorized_map` cannot convert `fn`).
 - `replica_sum(x)`: the sum of `x` over the replicas of a
   `tf.distribute` strategy (identity where the program is already global,
   as a JAX `keras.distribution` program is).

@@ -1,7 +1,12 @@
 """TensorFlow plumbing: `tf.GradientTape` and `tf.distribute` replicas."""
 
+import contextlib
+import logging
+
 import numpy as np
 import tensorflow as tf
+
+logger = logging.getLogger("kdpemb")
 
 
 def value_and_grad(fn):
@@ -60,10 +65,74 @@ def compiled(fn):
     return fn
 
 
+class _Silenced(logging.Filter):
+    """Drops the records of TensorFlow's vectoriser (`parallel_for`) only."""
+
+    def filter(self, record):
+        return "parallel_for" not in record.pathname.replace("\\", "/")
+
+
+@contextlib.contextmanager
+def _tensorflow_logs_silenced():
+    """The vectoriser's log records dropped: a failed `tf.vectorized_map`
+    logs the graph of the op it could not convert, at ERROR level, before
+    it raises (and a converted one its while-loop fallbacks)."""
+    tf_logger = tf.get_logger()
+    silenced = _Silenced()
+    tf_logger.addFilter(silenced)
+    try:
+        yield
+    finally:
+        tf_logger.removeFilter(silenced)
+
+
 def per_example_map(fn, *tensors):
-    """`fn` applied to each row of `tensors` (their leading axis), vectorised
-    by `tf.vectorized_map` (a loop where an op has no vectorised form)."""
-    return tf.vectorized_map(lambda rows: fn(*rows), tensors)
+    """`fn` applied to each row of `tensors` (their leading axis): vectorised
+    by `tf.vectorized_map` (which loops over the rows of an op that has no
+    vectorised form), or, where `tf.vectorized_map` fails to convert `fn`
+    at all, a `tf.map_fn` loop over the rows: the same values, slower.
+
+    `tf.vectorized_map` fails, for instance, on the gradient of a
+    recurrent layer (a `while` loop) whose input depends on trainable
+    weights: TensorFlow's converter of the `ZerosLike` of the loop's
+    `variant` accumulators raises a `TypeError`. The attempt is traced in
+    a function of its own, so that a failed one leaves no ops behind in
+    the caller's graph.
+    """
+    signature = []
+
+    def one(rows):
+        outputs = fn(*rows)
+        if not signature:  # The structure, dtypes and shapes of one row's.
+            signature.append(
+                tf.nest.map_structure(
+                    lambda t: tf.TensorSpec(t.shape, t.dtype), outputs
+                )
+            )
+        return outputs
+
+    def vectorized(*tensors):
+        return tf.vectorized_map(one, tensors)
+
+    try:
+        with _tensorflow_logs_silenced():
+            if tf.executing_eagerly():  # `vectorized_map` traces a function.
+                return vectorized(*tensors)
+            return tf.function(vectorized, autograph=False)(*tensors)
+    except tf.errors.OpError:  # Raised running ops (eager), not converting.
+        raise
+    except Exception as error:  # Any failure to convert `fn`.
+        if not signature:  # `fn` itself failed: a loop would too.
+            raise
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = lines[-1][:200] if lines else type(error).__name__
+    logger.info(
+        "tf.vectorized_map cannot vectorise the per-example function (%s); "
+        "looping over the rows with tf.map_fn instead (the same "
+        "gradients, slower).",
+        reason,
+    )
+    return tf.map_fn(one, tensors, fn_output_signature=signature[0])
 
 
 def _replica_context():
