@@ -35,7 +35,7 @@ _SUBMODULES = (
 )
 
 # The models, also reachable from the top level (`kdpemb.FedEmbModel`).
-_MODELS = ("CentralizedBaseline", "FedEmbModel", "LastLayerDPClassifier")
+_MODELS = ("CentralizedBaseline", "DPModel", "FedEmbModel", "LastLayerDPClassifier")
 
 __all__ = ["__version__", *_SUBMODULES, *_MODELS]
 

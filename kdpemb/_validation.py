@@ -244,12 +244,12 @@ def check_delta(delta, population=None, unit="unit"):
             f"delta={delta!r} is not below 1/population = 1/{population} = "
             f"{1.0 / population:.3g}. A δ that large allows publishing one "
             f"{unit}'s data outright. Choose delta well below 1/{population}, "
-            f"e.g. {_suggest_delta(population):.0e}."
+            f"e.g. {suggest_delta(population):.0e}."
         )
     return delta
 
 
-def _suggest_delta(population):
+def suggest_delta(population):
     """A power of ten at most 1/(10·population)."""
     return 10.0 ** math.floor(math.log10(1.0 / (10.0 * population)))
 

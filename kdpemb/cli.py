@@ -275,7 +275,7 @@ def check_flags(args):
             f"--delta {args.delta:g} is not below 1/population = 1/{population} "
             f"({who} {population}): a δ that large allows publishing one "
             f"{unit}'s data outright. Choose --delta well below 1/{population}, "
-            f"e.g. {validation._suggest_delta(population):.0e}."
+            f"e.g. {validation.suggest_delta(population):.0e}."
         )
     batch, sampling = args.batch_size, _sampling_of(args)
     if args.num_examples is not None and batch is not None:

@@ -103,6 +103,7 @@ def test_models_are_reachable_from_the_top_level():
     import kdpemb
     import kdpemb.models
 
+    assert {"DPModel", "FedEmbModel", "LastLayerDPClassifier"} <= set(kdpemb._MODELS)
     for name in kdpemb._MODELS:
         assert getattr(kdpemb, name) is getattr(kdpemb.models, name)
         assert name in dir(kdpemb)

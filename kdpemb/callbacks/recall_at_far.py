@@ -76,14 +76,14 @@ class RecallAtFAR(keras.callbacks.Callback):
         verbose=0,
     ):
         super().__init__()
-        self.fars = tuple(float(f) for f in verification._check_far(far))
+        self.fars = tuple(float(f) for f in verification.check_far(far))
         validation.check_positive_int(every_n_epochs, "every_n_epochs")
         if pairs not in verification.PAIRS:
             raise ValueError(
                 f"pairs must be one of {verification.PAIRS}, got {pairs!r}."
             )
         if pairs == "in_batch":
-            verification._check_in_batch_size(in_batch_size, "in_batch_size")
+            verification.check_in_batch_size(in_batch_size, "in_batch_size")
         self.data = data
         self._input = inputs.open_input(
             data,

@@ -91,7 +91,7 @@ class RecallAtFARMetric(keras.metrics.Metric):
         name=None,
         dtype=None,
     ):
-        far_value = float(verification._check_far(far)[0])
+        far_value = float(verification.check_far(far)[0])
         if np.ndim(far) != 0:
             raise ValueError(
                 "RecallAtFARMetric takes one far; make one metric per FAR."

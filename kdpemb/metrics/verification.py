@@ -115,7 +115,9 @@ def _pair_counts(labels):
     return genuine, n * (n - 1) // 2 - genuine
 
 
-def _check_in_batch_size(batch_size, name="batch_size"):
+def check_in_batch_size(batch_size, name="batch_size"):
+    """`batch_size` as an int >= 2 (pairs need two rows), or a ValueError
+    naming `name`."""
     if (
         not isinstance(batch_size, numbers.Integral)
         or isinstance(batch_size, bool)
@@ -185,11 +187,11 @@ def check_labels(labels, far=1e-3, pairs="all", batch_size=256):
     ...     print(str(error)[:54])
     No genuine pair: every identity has a single embedding
     """
-    fars = _check_far(far)
+    fars = check_far(far)
     if not isinstance(pairs, str) or pairs not in PAIRS:
         raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
     if pairs == "in_batch":
-        batch_size = _check_in_batch_size(batch_size)
+        batch_size = check_in_batch_size(batch_size)
     labels = _identities(labels)
     if labels.size == 0:
         raise ValueError("labels is empty: there are no images to pair.")
@@ -198,7 +200,9 @@ def check_labels(labels, far=1e-3, pairs="all", batch_size=256):
     return genuine, impostor
 
 
-def _check_far(far):
+def check_far(far):
+    """`far` (one rate or several) as a 1-D float array of rates in (0, 1],
+    or a ValueError that names the bad value."""
     try:
         values = np.atleast_1d(np.asarray(far, dtype=float))
     except (TypeError, ValueError) as error:
@@ -321,7 +325,7 @@ def _scores(embeddings, labels, pairs, batch_size, keep_far):
     if not isinstance(pairs, str) or pairs not in PAIRS:
         raise ValueError(f"pairs must be one of {PAIRS}, got {pairs!r}.")
     if pairs == "in_batch":
-        batch_size = _check_in_batch_size(batch_size)
+        batch_size = check_in_batch_size(batch_size)
     unit, labels = _check_embeddings(embeddings, labels)
     _, num_impostors = _counts(labels, pairs, batch_size)
     if pairs == "in_batch":
@@ -421,7 +425,7 @@ def verification_roc(embeddings, labels, max_far=0.1, pairs="all", batch_size=25
 def _scores_and_recalls(embeddings, labels, fars, pairs, batch_size):
     """Sorted genuine scores, kept impostor scores (descending), the number
     of impostor pairs, and Recall@FAR at each of `fars`."""
-    fars = _check_far(fars)
+    fars = check_far(fars)
     genuine, impostor, num_impostors = _scores(
         embeddings, labels, pairs, batch_size, keep_far=float(fars.max())
     )

@@ -20,8 +20,13 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.data import inputs
-from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models import backbone_checks, backends, privacy_plan, private_state
+from kdpemb.models import (
+    backbone_checks,
+    backends,
+    device_checks,
+    privacy_plan,
+    private_state,
+)
 from kdpemb.models.clipped_gradients import (
     MODES,
     ClippedGradients,
@@ -263,15 +268,10 @@ class DPModel(FrozenSettings, keras.Model):
         **kwargs,
     ):
         """DP-SGD on `x`, `y` (arrays, one row per example); see the class."""
-        for name in ("sample_weight", "class_weight", "validation_split",
-                     "steps_per_epoch", "shuffle"):  # fmt: skip
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"DPModel.fit does not take {name}: it would change each "
-                    "example's contribution or the sampling that the privacy "
-                    "accounting assumes."
-                )
-        _check_single_device()
+        privacy_plan.refuse_fit_arguments(
+            kwargs, (*privacy_plan.SAMPLING_ARGUMENTS, "shuffle"), "DPModel"
+        )
+        device_checks.check_single_device("DPModel")
         _check_network(self.network)  # Layers may have been unfrozen since.
         if not self.compiled:
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
@@ -304,14 +304,17 @@ class DPModel(FrozenSettings, keras.Model):
         def steps_of(start_epoch):
             return steps_per_epoch * max(0, epochs - (start_epoch or initial_epoch))
 
-        calibrated = self._plan_budget(
-            schedule, steps_of(initial_epoch), privacy_plan.is_verbose(
-                {"verbose": verbose, "callbacks": callbacks})
+        calibrated = privacy_plan.plan_steps(
+            self, schedule, steps_of(initial_epoch), privacy_plan.is_verbose(
+                {"verbose": verbose, "callbacks": callbacks}),
+            schedule.privacy_mechanism(1.0, self.clip_norm),
         )  # fmt: skip
         guard = privacy_plan.PlanGuard(
             steps_of,
             "steps",
-            on_restored_steps=self._forget_plan if calibrated else None,
+            on_restored_steps=(
+                (lambda: privacy_plan.forget_plan(self)) if calibrated else None
+            ),
         )
         callbacks = privacy_plan.with_guard(callbacks, guard, self)
         private_state.reseed([self.noise_seed], self.seed)
@@ -376,51 +379,6 @@ class DPModel(FrozenSettings, keras.Model):
             )
         steps = 1 if batch_size is None else max(1, round(num_examples / batch_size))
         return steps, schedule
-
-    def _plan_budget(self, schedule, steps, verbose):
-        """Adopts the schedule; with a target ε, calibrates the noise at the
-        first fit and refuses a fit that would go past the plan, before any
-        step. Returns whether this call calibrated."""
-        taken = protocol.read_private_steps(self)
-        if self.schedule is None and taken:
-            raise ValueError(
-                f"This DPModel has taken {taken} private steps but holds no "
-                "schedule (weights loaded into a new model?): its ε cannot be "
-                "stated. Load the whole model with keras.saving.load_model."
-            )
-        calibrated = False
-        if self.target_epsilon is not None and self.calibrated_noise_multiplier is None:
-            planned = self.planned_steps or steps
-            if steps > planned:
-                raise PrivacyBudgetExhaustedError(
-                    f"This fit's {steps} steps are more than the planned_steps="
-                    f"{planned} that target_epsilon={self.target_epsilon} is "
-                    "spent over. Fit fewer epochs, or build the DPModel with a "
-                    "larger planned_steps."
-                )
-            z = privacy_plan.calibrate(
-                schedule.privacy_mechanism(1.0, self.clip_norm), planned,
-                self.target_epsilon, self.delta, verbose, "DPModel",
-            )  # fmt: skip
-            with self._settings_unfrozen():
-                self.planned_steps, self.calibrated_noise_multiplier = planned, z
-                self.noise_multiplier = z
-            calibrated = True
-        if self.schedule is None:
-            with self._settings_unfrozen():
-                self.schedule = schedule
-        if self.target_epsilon is not None:
-            if not calibrated:
-                privacy_plan.check_plan(self)
-            privacy_plan.check_budget(self, steps, "steps")
-        return calibrated
-
-    def _forget_plan(self):
-        with self._settings_unfrozen():
-            self.planned_steps = None
-            self.calibrated_noise_multiplier = None
-            self.noise_multiplier = None
-            self.schedule = None
 
     def _plan_gradients(self, x, y, verbose):
         """Plans how per-example norms are computed (once, and again when the
@@ -684,23 +642,6 @@ def synthetic_targets(y, num_outputs, class_labels):
     if len(shape) > 1 and shape[-1] > 1:
         values = values / values.sum(axis=-1, keepdims=True)
     return values.astype(dtype)
-
-
-def _check_single_device():
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if tf.distribute.has_strategy() and (
-            tf.distribute.get_strategy().num_replicas_in_sync > 1
-        ):
-            raise ValueError(
-                "DPModel trains on one device for now; build and fit it "
-                "outside the tf.distribute strategy scope."
-            )
-    if keras.distribution.distribution() is not None:
-        raise ValueError(
-            "DPModel trains on one device for now; unset keras.distribution."
-        )
 
 
 def _check_data(x, y):

@@ -28,6 +28,13 @@ class FrozenSettings:
         finally:
             object.__setattr__(self, "_settings_frozen", True)
 
+    def adopt_settings(self, **values):
+        """Sets frozen settings from the model's own checked plan (what a
+        `fit` calibrated, or undoes): for kdpemb's trainers, not users."""
+        with self._settings_unfrozen():
+            for name, value in values.items():
+                setattr(self, name, value)
+
     def __setattr__(self, name, value):
         if name in self._FROZEN_SETTINGS and getattr(self, "_settings_frozen", False):
             cls = type(self).__name__

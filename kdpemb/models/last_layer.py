@@ -25,9 +25,14 @@ import numpy as np
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb import privacy
-from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models import backends, last_layer_inputs, privacy_plan, private_state
+from kdpemb.models import (
+    backends,
+    device_checks,
+    last_layer_inputs,
+    last_layer_plan,
+    privacy_plan,
+    private_state,
+)
 from kdpemb.models.device_rows import DeviceRows
 from kdpemb.models.dp_sgd_head import DPSGDHead, dense_gradient_norms
 from kdpemb.models.frozen_settings import FrozenSettings
@@ -80,7 +85,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             (DP-SGD: std z · C on the clipped sum). For the closed-form
             methods one step costs what a Gaussian with this multiplier
             costs, split between its statistics by `budget_split`. Give
-            this or `target_epsilon`.
+            this or `target_epsilon` (then it holds the calibrated one
+            after the first `fit`, None before).
         target_epsilon: float. Calibrate the smallest noise multiplier that
             keeps the run planned by the first `fit` within this ε at
             `delta`. Later fits may only take the planned steps not yet
@@ -226,9 +232,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self.schedule,
             self.planned_steps,
             self.calibrated_noise_multiplier,
-        ) = _restored_plan(
+        ) = last_layer_plan.restored_plan(
             schedule, planned_steps, calibrated_noise_multiplier, noise_multiplier
         )
+        if target_epsilon is not None:  # As DPModel's and FedEmbModel's.
+            self.noise_multiplier = self.calibrated_noise_multiplier
         self._method = method_class.from_settings(
             num_classes=self.num_classes,
             clip_norm=self.clip_norm,
@@ -296,10 +304,9 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
     @property
     def step_noise_multiplier(self):
-        """z of every step: the one given, or the one calibrated by the first fit."""
-        if self.noise_multiplier is not None:
-            return self.noise_multiplier
-        return self.calibrated_noise_multiplier
+        """z of every step: `noise_multiplier` (the one given, or the one
+        calibrated by the first fit for a `target_epsilon`)."""
+        return self.noise_multiplier
 
     def privacy_mechanism(self):
         """The mechanism of one step (`kdpemb.privacy`); known after the first fit."""
@@ -319,72 +326,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         """
         return protocol.privacy_statement(self, delta, accountant)
 
-    def _plan(self, num_examples, batch_size, epochs):
-        """Plans the schedule at the first fit; checks later fits against it.
-
-        Returns the steps per epoch and, at the first fit, the plan
-        `(schedule, planned_steps, calibrated_noise_multiplier)` that
-        `_adopt_plan` fixes once the fit is accepted (None later).
-        """
-        if not self._method.sampled and batch_size is not None:
-            raise ValueError(
-                f"{self.method} uses all the data at every step: fit it with "
-                "batch_size=None."
-            )
-        if batch_size is not None:
-            batch_size = validation.check_positive_int(batch_size, "batch_size")
-            if batch_size > num_examples:
-                raise ValueError(
-                    f"batch_size={batch_size} exceeds the {num_examples} examples; "
-                    "use batch_size=None for full-batch steps."
-                )
-        steps_per_epoch = (
-            1 if batch_size is None else max(1, round(num_examples / batch_size))
-        )
-        if self.schedule is not None:
-            trained_batch = (
-                None
-                if self.schedule.sampling == "full_batch"
-                else self.schedule.sample_size
-            )
-            for name, trained, value in (
-                ("num_examples", self.schedule.population, num_examples),
-                ("batch_size", trained_batch, batch_size),
-            ):
-                if trained != value:
-                    raise ValueError(
-                        f"This classifier was trained with {name}={trained}; "
-                        f"fitting with {value} would change the mechanism of the "
-                        "steps already counted. Keep the data and batch size, or "
-                        "start a new classifier."
-                    )
-            return steps_per_epoch, None
-        taken = protocol.read_private_steps(self)
-        if taken:
-            raise ValueError(
-                f"This classifier has taken {taken} private steps but holds no "
-                "schedule: its weights were loaded (load_weights) into a new "
-                "classifier, which does not restore the schedule, the planned "
-                "steps or the calibrated noise that its ε depends on. Load the "
-                "whole model with keras.saving.load_model instead."
-            )
-        if self.delta is not None:
-            validation.check_delta(self.delta, num_examples, "example")
-        schedule = privacy.Schedule.examples(num_examples, batch_size)
-        planned = epochs * steps_per_epoch
-        calibrated = None
-        if self.noise_multiplier is None:
-            calibrated = self._method.noise_multiplier_of(
-                privacy.calibrate_noise_multiplier(
-                    self._method.mechanism(1.0, schedule, planned),
-                    target_epsilon=self.target_epsilon,
-                    delta=self.delta,
-                    steps=planned,
-                )
-            )
-        plan = (schedule, planned, None if calibrated is None else float(calibrated))
-        return steps_per_epoch, plan
-
     def _adopt_plan(self, plan):
         """Fixes the first fit's plan (set once, after the fit is accepted)."""
         with self._settings_unfrozen():
@@ -393,31 +334,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 self.planned_steps,
                 self.calibrated_noise_multiplier,
             ) = plan
-
-    def _check_budget(self, steps):
-        """Refuses a fit of `steps` steps that would take ε past the target.
-
-        The noise was calibrated so that the planned steps meet
-        `target_epsilon` exactly: more steps than planned in all would go
-        past it.
-        """
-        if self.target_epsilon is None:
-            return
-        taken = protocol.read_private_steps(self)
-        if taken + steps <= self.planned_steps:
-            return
-        mechanism = self.privacy_mechanism()
-        spent = privacy.epsilon(mechanism, taken, self.delta) if taken else 0.0
-        after = privacy.epsilon(mechanism, taken + steps, self.delta)
-        left = self.planned_steps - taken
-        raise PrivacyBudgetExhaustedError(
-            f"This classifier has spent ε = {spent:.4g} of its "
-            f"target_epsilon={self.target_epsilon} (δ = {self.delta}) in {taken} "
-            f"of the {self.planned_steps} steps its noise was calibrated for; "
-            f"this fit's {steps} steps would take ε to {after:.4g}. Fit at most "
-            f"{left} more steps, or build a new classifier with a larger "
-            "target_epsilon (or a fixed noise_multiplier)."
-        )
+            if self.target_epsilon is not None:
+                self.noise_multiplier = self.calibrated_noise_multiplier
 
     # ------------------------------------------------------- training --
 
@@ -445,19 +363,12 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         **kwargs,
     ):
         """Trains the head on `x` (features [N, d]) and `y` (labels in [0, K))."""
-        for name in (
-            "sample_weight",
-            "class_weight",
-            "validation_split",
-            "steps_per_epoch",
-        ):
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"LastLayerDPClassifier.fit does not take {name}: it would "
-                    "change each example's contribution or the sampling that "
-                    "the privacy accounting assumes."
-                )
-        last_layer_inputs.check_single_device()
+        privacy_plan.refuse_fit_arguments(
+            kwargs, privacy_plan.SAMPLING_ARGUMENTS, "LastLayerDPClassifier"
+        )
+        device_checks.check_single_device(
+            "LastLayerDPClassifier", "a linear head is cheap"
+        )
         features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
         if self.built and features.shape[1] != self.head.kernel.shape[0]:
             raise ValueError(
@@ -492,8 +403,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 f"callbacks; got {sorted(kwargs) or ['validation_data']}. "
                 "Evaluate with model.evaluate(features, labels) afterwards."
             )
-        steps_per_epoch, plan = self._plan(
-            len(features), batch_size, epochs - initial_epoch
+        steps_per_epoch, plan = last_layer_plan.first_fit_plan(
+            self, self._method, len(features), batch_size, epochs - initial_epoch
         )
         if not self.built:
             self.build(features.shape)
@@ -501,7 +412,10 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self.compile()
         if plan is not None:
             self._adopt_plan(plan)
-        self._check_budget(steps_per_epoch * (epochs - initial_epoch))
+        privacy_plan.check_budget(
+            self, steps_per_epoch * (epochs - initial_epoch), "steps",
+            remedy="a larger target_epsilon (or a fixed noise_multiplier)",
+        )  # fmt: skip
         private_state.reseed([self.noise_seed], self.seed)
         if not self._method.sampled:  # One host step per epoch.
             return fit_loop(
@@ -619,7 +533,10 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "method": self.method,
             "clip_norm": self.clip_norm if self._method.clips_gradients else None,
             "feature_clip_norm": self.feature_clip_norm,
-            "noise_multiplier": self.noise_multiplier,
+            # A calibrated z is saved as calibrated_noise_multiplier.
+            "noise_multiplier": (
+                self.noise_multiplier if self.target_epsilon is None else None
+            ),
             "target_epsilon": self.target_epsilon,
             "delta": self.delta,
             "head_init": self.head_init,
@@ -630,44 +547,3 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "planned_steps": self.planned_steps,
             "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
         }
-
-
-def _restored_plan(schedule, planned_steps, calibrated, noise_multiplier):
-    """`(Schedule, planned_steps, calibrated z)` from a saved config.
-
-    Reads configs saved before the `Schedule` too (a dict with
-    `num_examples`, `batch_size`, `planned_steps` and `noise_multiplier`).
-    """
-    if schedule is None:
-        if planned_steps is not None or calibrated is not None:
-            raise ValueError(
-                "planned_steps and calibrated_noise_multiplier are set by the "
-                "first fit, with the schedule; build the classifier without them."
-            )
-        return None, None, None
-    if isinstance(schedule, dict) and "num_examples" in schedule:  # Old format.
-        if planned_steps is not None or calibrated is not None:
-            raise ValueError(f"Unreadable saved schedule {schedule!r}.")
-        z = schedule["noise_multiplier"]
-        planned_steps = schedule["planned_steps"]
-        calibrated = None if noise_multiplier is not None else z
-        schedule = privacy.Schedule.examples(
-            schedule["num_examples"], schedule["batch_size"]
-        )
-    schedule = privacy.Schedule.from_config(schedule)
-    if schedule.unit != "example" or schedule.users_per_client != 1:
-        raise ValueError(
-            f"LastLayerDPClassifier protects examples; got the schedule {schedule}."
-        )
-    planned_steps = validation.check_positive_int(planned_steps, "planned_steps")
-    if (calibrated is None) == (noise_multiplier is None):
-        raise ValueError(
-            "A saved classifier has either a noise_multiplier or a "
-            f"calibrated_noise_multiplier; got noise_multiplier={noise_multiplier!r}, "
-            f"calibrated_noise_multiplier={calibrated!r}."
-        )
-    if calibrated is not None:
-        calibrated = validation.check_noise_multiplier(
-            calibrated, "calibrated_noise_multiplier"
-        )
-    return schedule, planned_steps, calibrated

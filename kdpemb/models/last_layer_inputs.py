@@ -5,7 +5,6 @@ Checked before any step, each refusal naming the value and the fix.
 
 import warnings
 
-import keras
 import numpy as np
 
 from kdpemb import _validation as validation
@@ -16,26 +15,6 @@ from kdpemb.errors import DegenerateFeaturesWarning
 # noise's std z · C unless n > 1e6 / z.
 DEGENERATE_NORM_RATIO = 1e-6
 _ROWS_PER_CHUNK = 65_536
-
-
-def check_single_device():
-    """Refuses a multi-replica strategy or a `keras.distribution`."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if (
-            tf.distribute.has_strategy()
-            and tf.distribute.get_strategy().num_replicas_in_sync > 1
-        ):
-            raise ValueError(
-                "LastLayerDPClassifier trains on one device (a linear head is "
-                "cheap); build and fit it outside the tf.distribute strategy scope."
-            )
-    if keras.distribution.distribution() is not None:
-        raise ValueError(
-            "LastLayerDPClassifier trains on one device; fit it with no "
-            "keras.distribution set."
-        )
 
 
 def check_data(features, labels, num_classes):

@@ -13,8 +13,9 @@ computed from the data past the plan and counts no step (its update is
 zero; an optimizer's momentum may still move the weights). A plan given to the constructor is checked against the target
 (`check_plan`).
 
-Used by `FedEmbModel`; `LastLayerDPClassifier` keeps its own plan (its
-steps per epoch come from its batch size, not from a round source).
+Used by `FedEmbModel` and `DPModel`; `LastLayerDPClassifier` plans its
+schedule at its first fit itself (it keeps a plan with a fixed noise too)
+and shares `check_budget`.
 
 Example:
 
@@ -84,6 +85,27 @@ def check_settings(noise_multiplier, target_epsilon, delta, planned, calibrated)
             calibrated, "calibrated_noise_multiplier"
         )
     return calibrated, target_epsilon, planned, calibrated
+
+
+# `fit` arguments that would change an example's contribution or the
+# sampling the accounting assumes.
+SAMPLING_ARGUMENTS = (
+    "sample_weight",
+    "class_weight",
+    "validation_split",
+    "steps_per_epoch",
+)
+
+
+def refuse_fit_arguments(kwargs, names, owner):
+    """Refuses any of `names` given (not None) among `fit`'s `kwargs`."""
+    for name in names:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{owner}.fit does not take {name}: it would change each "
+                "example's contribution or the sampling that the privacy "
+                "accounting assumes."
+            )
 
 
 def fit_arguments(args, kwargs):
@@ -160,12 +182,13 @@ def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner):
     return float(z)
 
 
-def check_budget(model, steps, noun="rounds", taken=None):
+def check_budget(model, steps, noun="rounds", taken=None, remedy=None):
     """Refuses `steps` more steps if they would go past the planned ones.
 
     The noise was calibrated so that `model.planned_steps` steps meet
     `model.target_epsilon`: any step beyond them would spend more.
-    `taken` defaults to the model's `private_steps`.
+    `taken` defaults to the model's `private_steps`; `remedy` is what a new
+    model would need (default: a larger target or planned steps).
     """
     if model.target_epsilon is None:
         return
@@ -183,8 +206,69 @@ def check_budget(model, steps, noun="rounds", taken=None):
         f"target_epsilon={model.target_epsilon} (δ = {model.delta}) in {taken} "
         f"of the {model.planned_steps} {noun} its noise was calibrated for; "
         f"this fit's {steps} {noun} would take ε to {after:.4g}. Fit at most "
-        f"{left} more {noun}, or build a new {cls} with a larger "
-        "target_epsilon or planned_steps (or a fixed noise_multiplier)."
+        f"{left} more {noun}, or build a new {cls} with "
+        f"{remedy or DEFAULT_REMEDY}."
+    )
+
+
+DEFAULT_REMEDY = (
+    "a larger target_epsilon or planned_steps (or a fixed noise_multiplier)"
+)
+
+
+def plan_steps(model, schedule, steps, verbose, unit_mechanism):
+    """The target-ε flow of a model whose schedule comes from its first
+    `fit` (`DPModel`): adopts `schedule`; with a `target_epsilon`,
+    calibrates the noise once (over `planned_steps`, or this fit's
+    `steps`) on `unit_mechanism` (the schedule's mechanism at noise
+    multiplier 1), and refuses, before any step, a fit that would go past
+    the plan. Returns whether this call calibrated.
+
+    A model that has taken steps but holds no schedule (its weights loaded
+    into a new model) is refused: its ε could not be stated.
+    """
+    cls = type(model).__name__
+    taken = protocol.read_private_steps(model)
+    if model.schedule is None and taken:
+        raise ValueError(
+            f"This {cls} has taken {taken} private steps but holds no "
+            "schedule (weights loaded into a new model?): its ε cannot be "
+            "stated. Load the whole model with keras.saving.load_model."
+        )
+    calibrated = False
+    if model.target_epsilon is not None and model.calibrated_noise_multiplier is None:
+        planned = model.planned_steps or steps
+        if steps > planned:
+            raise PrivacyBudgetExhaustedError(
+                f"This fit's {steps} steps are more than the planned_steps="
+                f"{planned} that target_epsilon={model.target_epsilon} is "
+                f"spent over. Fit fewer epochs, or build the {cls} with a "
+                "larger planned_steps."
+            )
+        z = calibrate(
+            unit_mechanism, planned, model.target_epsilon, model.delta, verbose, cls
+        )
+        model.adopt_settings(
+            planned_steps=planned, calibrated_noise_multiplier=z, noise_multiplier=z
+        )
+        calibrated = True
+    if model.schedule is None:
+        model.adopt_settings(schedule=schedule)
+    if model.target_epsilon is not None:
+        if not calibrated:
+            check_plan(model)
+        check_budget(model, steps, "steps")
+    return calibrated
+
+
+def forget_plan(model):
+    """Undoes what `plan_steps` calibrated and adopted at a fit that is
+    then refused (a callback restored steps taken at an unknown noise)."""
+    model.adopt_settings(
+        planned_steps=None,
+        calibrated_noise_multiplier=None,
+        noise_multiplier=None,
+        schedule=None,
     )
 
 

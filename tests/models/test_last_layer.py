@@ -819,12 +819,16 @@ def test_target_epsilon_is_met_by_the_planned_run(method, batch_size, epochs):
         3, method, target_epsilon=target, delta=DELTA, seed=None,
         **private_settings(method),
     )  # fmt: skip
-    assert model.schedule is None
+    assert model.schedule is None and model.noise_multiplier is None
     model.fit(features, labels, batch_size=batch_size, epochs=epochs, verbose=0)
     planned = (1 if batch_size is None else round(40 / batch_size)) * epochs
     assert model.planned_steps == planned == steps_of(model)
     z = model.calibrated_noise_multiplier
-    assert model.step_noise_multiplier == z
+    # As DPModel's and FedEmbModel's: noise_multiplier holds the calibrated z.
+    assert model.step_noise_multiplier == z == model.noise_multiplier
+    assert model.get_config()["noise_multiplier"] is None
+    rebuilt = LastLayerDPClassifier.from_config(model.get_config())
+    assert rebuilt.noise_multiplier == z
     epsilon = privacy.epsilon(
         independent_mechanism(method, z, 40, batch_size, planned), planned, DELTA
     )

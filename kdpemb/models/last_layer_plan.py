@@ -1,0 +1,127 @@
+"""The plan of a `LastLayerDPClassifier`: its schedule, fixed at the first fit.
+
+The classifier plans at its first `fit` whatever its noise: the schedule
+(N examples, batch B), the planned steps (that fit's) and, for a
+`target_epsilon`, the noise calibrated over them. Later fits must keep N
+and B; `privacy_plan.check_budget` refuses steps past a target's plan. A
+saved classifier restores its plan from its config (`restored_plan`),
+configs saved before the `Schedule` included.
+
+Example:
+
+>>> restored_plan(None, None, None, 1.0)
+(None, None, None)
+"""
+
+from kdpemb import _validation as validation
+from kdpemb import privacy
+from kdpemb.privacy import protocol
+
+
+def first_fit_plan(model, method, num_examples, batch_size, epochs):
+    """Plans the schedule at the first fit of `model` (a
+    `LastLayerDPClassifier` of `method`); checks later fits against it.
+
+    Returns the steps per epoch and, at the first fit, the plan
+    `(schedule, planned_steps, calibrated_noise_multiplier)` that
+    the classifier adopts once the fit is accepted (None later).
+    """
+    if not method.sampled and batch_size is not None:
+        raise ValueError(
+            f"{model.method} uses all the data at every step: fit it with "
+            "batch_size=None."
+        )
+    if batch_size is not None:
+        batch_size = validation.check_positive_int(batch_size, "batch_size")
+        if batch_size > num_examples:
+            raise ValueError(
+                f"batch_size={batch_size} exceeds the {num_examples} examples; "
+                "use batch_size=None for full-batch steps."
+            )
+    steps_per_epoch = (
+        1 if batch_size is None else max(1, round(num_examples / batch_size))
+    )
+    if model.schedule is not None:
+        trained_batch = (
+            None
+            if model.schedule.sampling == "full_batch"
+            else model.schedule.sample_size
+        )
+        for name, trained, value in (
+            ("num_examples", model.schedule.population, num_examples),
+            ("batch_size", trained_batch, batch_size),
+        ):
+            if trained != value:
+                raise ValueError(
+                    f"This classifier was trained with {name}={trained}; "
+                    f"fitting with {value} would change the mechanism of the "
+                    "steps already counted. Keep the data and batch size, or "
+                    "start a new classifier."
+                )
+        return steps_per_epoch, None
+    taken = protocol.read_private_steps(model)
+    if taken:
+        raise ValueError(
+            f"This classifier has taken {taken} private steps but holds no "
+            "schedule: its weights were loaded (load_weights) into a new "
+            "classifier, which does not restore the schedule, the planned "
+            "steps or the calibrated noise that its ε depends on. Load the "
+            "whole model with keras.saving.load_model instead."
+        )
+    if model.delta is not None:
+        validation.check_delta(model.delta, num_examples, "example")
+    schedule = privacy.Schedule.examples(num_examples, batch_size)
+    planned = epochs * steps_per_epoch
+    calibrated = None
+    if model.target_epsilon is not None:
+        calibrated = method.noise_multiplier_of(
+            privacy.calibrate_noise_multiplier(
+                method.mechanism(1.0, schedule, planned),
+                target_epsilon=model.target_epsilon,
+                delta=model.delta,
+                steps=planned,
+            )
+        )
+    plan = (schedule, planned, None if calibrated is None else float(calibrated))
+    return steps_per_epoch, plan
+
+
+def restored_plan(schedule, planned_steps, calibrated, noise_multiplier):
+    """`(Schedule, planned_steps, calibrated z)` from a saved config.
+
+    Reads configs saved before the `Schedule` too (a dict with
+    `num_examples`, `batch_size`, `planned_steps` and `noise_multiplier`).
+    """
+    if schedule is None:
+        if planned_steps is not None or calibrated is not None:
+            raise ValueError(
+                "planned_steps and calibrated_noise_multiplier are set by the "
+                "first fit, with the schedule; build the classifier without them."
+            )
+        return None, None, None
+    if isinstance(schedule, dict) and "num_examples" in schedule:  # Old format.
+        if planned_steps is not None or calibrated is not None:
+            raise ValueError(f"Unreadable saved schedule {schedule!r}.")
+        z = schedule["noise_multiplier"]
+        planned_steps = schedule["planned_steps"]
+        calibrated = None if noise_multiplier is not None else z
+        schedule = privacy.Schedule.examples(
+            schedule["num_examples"], schedule["batch_size"]
+        )
+    schedule = privacy.Schedule.from_config(schedule)
+    if schedule.unit != "example" or schedule.users_per_client != 1:
+        raise ValueError(
+            f"LastLayerDPClassifier protects examples; got the schedule {schedule}."
+        )
+    planned_steps = validation.check_positive_int(planned_steps, "planned_steps")
+    if (calibrated is None) == (noise_multiplier is None):
+        raise ValueError(
+            "A saved classifier has either a noise_multiplier or a "
+            f"calibrated_noise_multiplier; got noise_multiplier={noise_multiplier!r}, "
+            f"calibrated_noise_multiplier={calibrated!r}."
+        )
+    if calibrated is not None:
+        calibrated = validation.check_noise_multiplier(
+            calibrated, "calibrated_noise_multiplier"
+        )
+    return schedule, planned_steps, calibrated
