@@ -19,7 +19,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.data import inputs
+from kdpemb.datasets import inputs
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models import backbone_checks, backends, privacy_plan, private_state
 from kdpemb.models.clipped_gradients import (
