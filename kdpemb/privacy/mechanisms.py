@@ -754,11 +754,11 @@ def __getattr__(name):
     if name not in _MOVED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     warnings.warn(
-        f"kdpemb.privacy.mechanisms.{name} is now {_MOVED[name]}.{name} (also "
-        f"kdpemb.privacy.{name}); the old path goes in the next release.",
+        f"kdpemb.privacy.mechanisms.{name} is now {_MOVED[name]}.{name}; the "
+        "old path goes in the next release.",
         DeprecationWarning,
         stacklevel=2,
     )
-    # Through the package, which imports both modules: this module imports
-    # neither of them back.
-    return getattr(sys.modules["kdpemb.privacy"], name)
+    # Loaded by the package kdpemb.privacy (which loads this module first):
+    # looked up, not imported, so this module imports neither back.
+    return getattr(sys.modules[_MOVED[name]], name)
