@@ -30,7 +30,7 @@ import sys
 
 from kdpemb import _validation as validation
 from kdpemb.errors import CalibrationError, UnsupportedMechanismError
-from kdpemb.privacy import mechanisms
+from kdpemb.privacy import mechanism_builders
 from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant
 from kdpemb.privacy.calibration import calibrate_noise_multiplier
 from kdpemb.privacy.deployment import simulated_deployment
@@ -353,7 +353,7 @@ def _epochs_mechanism(args, noise_multiplier):
                     "--sampling epochs needs --steps-per-epoch or --batch-size."
                 )
             steps_per_epoch = rounds_per_epoch_for(args.num_examples, args.batch_size)
-        return mechanisms.tree_aggregation(
+        return mechanism_builders.tree_aggregation(
             noise_multiplier,
             steps_per_epoch,
             args.num_examples,
@@ -400,13 +400,13 @@ def mechanism_from_args(args, noise_multiplier):
         if sampling == "full_batch":
             if args.batch_size is not None:
                 raise ValueError("--batch-size does not apply to full-batch steps.")
-            mechanism = mechanisms.full_batch(
+            mechanism = mechanism_builders.full_batch(
                 noise_multiplier, args.num_examples, clip_norm=args.clip_norm
             )
         else:
             if args.batch_size is None:
                 raise ValueError("--num-examples needs --batch-size.")
-            mechanism = mechanisms.dp_sgd(
+            mechanism = mechanism_builders.dp_sgd(
                 noise_multiplier,
                 args.batch_size,
                 args.num_examples,
@@ -422,7 +422,7 @@ def mechanism_from_args(args, noise_multiplier):
         clients = args.clients_per_round
         if clients is None and sampling != "full_batch":
             raise ValueError("--num-users needs --clients-per-round.")
-        mechanism = mechanisms.virtual_clients(
+        mechanism = mechanism_builders.virtual_clients(
             noise_multiplier,
             clients,
             args.num_users,

@@ -103,13 +103,13 @@ def data_fingerprint(data, data_name=None):
     """The data's part of the key: `(tag, value)` pairs.
 
     Args:
-        data: an `Input` (`kdpemb.data.inputs.open_input`).
+        data: an `Input` (`kdpemb.datasets.inputs.open_input`).
         data_name: str or None. Required for a stream, which is not hashed.
 
     Example:
 
     >>> import numpy as np
-    >>> from kdpemb.data.inputs import open_input
+    >>> from kdpemb.datasets.inputs import open_input
     >>> pairs = data_fingerprint(open_input(np.zeros((2, 3), np.uint8)))
     >>> [tag for tag, _ in pairs]
     ['data', 'shape', 'dtype', 'sha256']

@@ -5,7 +5,7 @@ batch, and returns its embeddings as a float32 NumPy array, which a
 classifier then fits a linear head to with DP. With `cache=` and
 `backbone_name=` the features are kept on disk (`kdpemb.feature_cache`),
 so running the same backbone on the same images again loads them instead.
-What `data` may be is read by `kdpemb.data.inputs`.
+What `data` may be is read by `kdpemb.datasets.inputs`.
 
 Example:
 
@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from kdpemb import feature_cache
-from kdpemb.data import inputs
+from kdpemb.datasets import inputs
 from kdpemb.errors import NonFiniteFeaturesError
 
 __all__ = ["extract"]
@@ -70,7 +70,7 @@ def extract(
       batching (`batch_size` is unused; a PyDataset's batches are read one
       by one in this process, whatever its `workers`): returns `features`,
       or `(features, labels)` with the labels of all batches concatenated;
-    - an `Input` from `kdpemb.data.inputs.open_input`, read as it is.
+    - an `Input` from `kdpemb.datasets.inputs.open_input`, read as it is.
 
     Args:
         backbone: a built `keras.Model` mapping images to `(batch, D)`.
@@ -230,7 +230,7 @@ class _BackboneSpec:
             )
 
     def prepare(self, images, where, stream):
-        """`images` (numeric, from `kdpemb.data.inputs`) cast for the backbone."""
+        """`images` (numeric, from `kdpemb.datasets.inputs`) cast for the backbone."""
         if self.input_shape is not None:
             self.check_image_shape(images.shape, where, stream)
         if self.input_dtype is not None:

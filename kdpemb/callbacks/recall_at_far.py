@@ -5,7 +5,7 @@ import numpy as np
 
 from kdpemb import _validation as validation
 from kdpemb import distribute
-from kdpemb.data import inputs
+from kdpemb.datasets import inputs
 from kdpemb.errors import NonFiniteFeaturesError
 from kdpemb.features import extract
 from kdpemb.metrics import verification

@@ -11,69 +11,20 @@ shuffle of all users into groups of k would not have it: removing one user
 would shift every later group.)
 
 The price is that client sizes vary: with N users hashed into
-P = ceil(N / k) clients, a client holds about Poisson(k) users.
+P = ceil(N / k) clients, a client holds about Poisson(k) users. The keys
+are `kdpemb.datasets.user_hash.user_keys`.
 """
 
-import hashlib
+import warnings
 
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def mix64(values):
-    """SplitMix64's finaliser: a bijection on uint64 that scrambles bits.
-
-    Example:
-
-    >>> import numpy as np
-    >>> a = mix64(np.arange(3, dtype=np.uint64))
-    >>> a.dtype, len(set(a.tolist()))
-    (dtype('uint64'), 3)
-    """
-    z = np.asarray(values, dtype=np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def user_keys(user_ids):
-    """A stable 64-bit key per user id that depends only on that id.
-
-    Integer ids map to themselves (as uint64); string or bytes ids to the
-    first 8 bytes of their BLAKE2b digest. The key is an identity, not a
-    secret: the per-round salt makes the assignment unpredictable.
-
-    Example:
-
-    >>> user_keys(np.array([3, 7]))
-    array([3, 7], dtype=uint64)
-    >>> user_keys(np.array(["ann", "bob"])).dtype
-    dtype('uint64')
-    """
-    user_ids = np.asarray(user_ids)
-    if user_ids.dtype.kind in "iu":
-        return user_ids.astype(np.int64).view(np.uint64)
-    if user_ids.dtype.kind in "USO":
-        return np.array(
-            [_digest(value) for value in user_ids.tolist()], dtype=np.uint64
-        )
-    raise TypeError(
-        f"user ids must be integers or strings, got dtype {user_ids.dtype}. "
-        "Pass one id per example, e.g. np.int64 user numbers."
-    )
-
-
-def _digest(value):
-    data = value if isinstance(value, bytes) else str(value).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def keyed_hash(keys, salt):
-    """A uniform-looking uint64 per key, different for every salt."""
-    return mix64(mix64(keys) ^ np.uint64(salt))
+# Still read here by `VirtualClients` (kdpemb.data.virtual_clients); the
+# keys belong to `kdpemb.datasets.user_hash`, with the user-shards format.
+from kdpemb.datasets.user_hash import (
+    keyed_hash,
+    user_keys,  # noqa: F401
+)
 
 
 def assign_virtual_clients(keys, num_clients, salt):
@@ -89,6 +40,7 @@ def assign_virtual_clients(keys, num_clients, salt):
 
     Example:
 
+    >>> from kdpemb.datasets.user_hash import user_keys
     >>> keys = user_keys(np.arange(6))
     >>> a = assign_virtual_clients(keys, 3, salt=12345)
     >>> b = assign_virtual_clients(keys[:5], 3, salt=12345)  # user 5 leaves
@@ -102,3 +54,17 @@ def assign_virtual_clients(keys, num_clients, salt):
 def hash_uniform(keys, salt):
     """A uniform number in [0, 1) per key and salt (53 random bits)."""
     return (keyed_hash(keys, salt) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def __getattr__(name):  # Moved in 0.x (issue 32); the old path goes next.
+    if name == "mix64":
+        warnings.warn(
+            "kdpemb.data.assignment.mix64 is now kdpemb.datasets.user_hash.mix64; "
+            "the old path goes in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from kdpemb.datasets import user_hash
+
+        return user_hash.mix64
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

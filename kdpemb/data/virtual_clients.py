@@ -14,7 +14,7 @@ import numpy as np
 
 from kdpemb import _validation as validation
 from kdpemb.data import assignment, round_size, sources
-from kdpemb.datasets.user_shards import UserShards
+from kdpemb.datasets.user_shards_reader import UserShards
 from kdpemb.errors import (
     DataDependentScheduleWarning,
     ReproducibleSamplingWarning,

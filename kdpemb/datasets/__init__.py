@@ -9,8 +9,7 @@
 
 Every loader returns a `UserImages` (or arrays for the MNIST loaders) that
 `kdpemb.data.VirtualClients` takes, as it takes a `UserShards`. Importing
-this package imports no Keras (writing or opening shards does, through
-`kdpemb.data`).
+this package imports no Keras, nor does writing or opening shards.
 
 Example:
 
@@ -26,7 +25,8 @@ from kdpemb.datasets.mnist_files import load_fashion_mnist, load_mnist
 from kdpemb.datasets.simulate_users import simulate_users
 from kdpemb.datasets.synthetic_identities import SyntheticImages, synthetic_identities
 from kdpemb.datasets.user_images import UserImages
-from kdpemb.datasets.user_shards import ShardedArray, UserShards, write_user_shards
+from kdpemb.datasets.user_shards_reader import ShardedArray, UserShards
+from kdpemb.datasets.user_shards_writer import write_user_shards
 from kdpemb.errors import DatasetNotFoundError  # noqa: F401 (see errors)
 
 __all__ = [

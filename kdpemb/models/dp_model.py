@@ -19,7 +19,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.data import inputs
+from kdpemb.datasets import inputs
 from kdpemb.models import (
     backbone_checks,
     backends,

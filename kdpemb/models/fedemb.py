@@ -16,7 +16,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import distribute, privacy
-from kdpemb.data import inputs
+from kdpemb.datasets import inputs
 from kdpemb.errors import (
     DataDependentScheduleWarning,
     HostsDisagreeError,

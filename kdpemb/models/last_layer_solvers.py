@@ -24,7 +24,7 @@ from kdpemb import privacy
 from kdpemb.errors import LostReleaseError
 from kdpemb.models import last_layer_stats as stats
 from kdpemb.privacy import host_noise, protocol
-from kdpemb.privacy.mechanisms import GaussianRelease
+from kdpemb.privacy.gaussian_release import GaussianRelease
 
 
 class ClosedFormSolver:

@@ -32,20 +32,22 @@ from kdpemb.privacy.deployment import (
     deployment_schedule,
     simulated_deployment,
 )
+from kdpemb.privacy.gaussian_release import GaussianRelease
 from kdpemb.privacy.ledger import ledger_statement
-from kdpemb.privacy.mechanisms import (
-    ZCDP,
-    GaussianRelease,
-    GaussianReleases,
-    Mechanism,
-    SampledGaussian,
-    TreeAggregation,
+from kdpemb.privacy.mechanism_builders import (
     dp_sgd,
     full_batch,
     gaussian_releases,
     tree_aggregation,
     virtual_clients,
     zcdp,
+)
+from kdpemb.privacy.mechanisms import (
+    ZCDP,
+    GaussianReleases,
+    Mechanism,
+    SampledGaussian,
+    TreeAggregation,
 )
 from kdpemb.privacy.protocol import PrivateModel, privacy_statement
 from kdpemb.privacy.schedule import Schedule

@@ -39,7 +39,7 @@ import dataclasses
 import math
 
 from kdpemb import _validation as validation
-from kdpemb.privacy import mechanisms
+from kdpemb.privacy import gaussian_release
 
 # Andrew et al. recommend σ_b = M / 20: the count's noise std is 5% of
 # the expected clients per round.
@@ -100,18 +100,18 @@ class AdaptiveClipping:
         Zero if either noise is zero (that release is in the clear).
         """
         releases = (
-            mechanisms.GaussianRelease(
+            gaussian_release.GaussianRelease(
                 validation.check_noise_multiplier(update_noise_multiplier),
                 1.0,
                 "clipped update sum",
             ),
-            mechanisms.GaussianRelease(
+            gaussian_release.GaussianRelease(
                 self.count_stddev_for(clients_per_round),
                 COUNT_SENSITIVITY,
                 "count within the clip norm",
             ),
         )
-        return mechanisms.effective_noise_multiplier(releases)
+        return gaussian_release.effective_noise_multiplier(releases)
 
     def update_noise_multiplier(self, effective_noise_multiplier, clients_per_round):
         """The z_Δ whose `effective_noise_multiplier` is at least the given z_eff.

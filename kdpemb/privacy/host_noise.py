@@ -16,7 +16,7 @@ This module does not import Keras.
 
 import numpy as np
 
-from kdpemb.privacy.mechanisms import GaussianRelease
+from kdpemb.privacy.gaussian_release import GaussianRelease
 
 
 def _checked(release, rng):

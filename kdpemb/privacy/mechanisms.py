@@ -6,9 +6,10 @@ neighbouring relation and for which unit of privacy (an example or a user).
 `mechanism.event(steps)` builds the `dp_accounting.DpEvent` of a whole run.
 Like a `DpEvent`, a mechanism only *describes*; `Accountant` interprets.
 
-Use the builders: `dp_sgd`, `full_batch`, `virtual_clients`,
-`gaussian_releases`, `zcdp` and `tree_aggregation`. Every mechanism is a
-frozen dataclass, validated when created.
+Build them with `kdpemb.privacy.mechanism_builders` (`dp_sgd`,
+`full_batch`, `virtual_clients`, `gaussian_releases`, `zcdp`,
+`tree_aggregation`, all in `kdpemb.privacy`) or from a `Schedule`. Every
+mechanism is a frozen dataclass, validated when created.
 """
 
 import abc
@@ -23,6 +24,7 @@ import dp_accounting as dpa
 
 from kdpemb import _validation as validation
 from kdpemb.errors import SmallPopulationWarning
+from kdpemb.privacy import gaussian_release
 
 Relation = dpa.NeighboringRelation
 
@@ -125,81 +127,6 @@ def _compose(events):
     if not events:
         return dpa.NoOpDpEvent()
     return events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
-
-
-@dataclasses.dataclass(frozen=True)
-class GaussianRelease:
-    """One release of a statistic plus Gaussian noise N(0, noise_std² I).
-
-    Args:
-        noise_std: float. Standard deviation of the noise on each coordinate.
-        sensitivity: float. Bound on the L2 norm of one unit's contribution
-            to the statistic (e.g. `C_x**2` for a Gram matrix of features
-            clipped to norm `C_x`): its sensitivity under add/remove. Like
-            dp-accounting's events, the accountant doubles it under
-            replace-one.
-        name: str. What is released, for the privacy statement.
-
-    Example:
-
-    >>> GaussianRelease(noise_std=2.0, sensitivity=0.5, name="gram").noise_multiplier
-    4.0
-    """
-
-    noise_std: float
-    sensitivity: float
-    name: str = ""
-
-    def __post_init__(self):
-        if validation.check_finite_real(self.noise_std, "noise_std") < 0:
-            raise ValueError(f"noise_std must be >= 0, got {self.noise_std!r}.")
-        validation.check_positive(self.sensitivity, "sensitivity")
-        # The accountants' range applies to the multiplier, not to the std
-        # (which scales with the sensitivity).
-        validation.check_noise_multiplier(
-            self.noise_std / self.sensitivity, "noise_std / sensitivity"
-        )
-
-    @classmethod
-    def from_noise_multiplier(cls, noise_multiplier, sensitivity, name=""):
-        """The release whose noise std is `noise_multiplier · sensitivity`.
-
-        The one place where a noise multiplier becomes a noise scale for a
-        release of a full-data statistic.
-
-        Example:
-
-        >>> GaussianRelease.from_noise_multiplier(4.0, 0.5, "gram").noise_std
-        2.0
-        """
-        noise_multiplier = validation.check_noise_multiplier(noise_multiplier)
-        sensitivity = validation.check_positive(sensitivity, "sensitivity")
-        return cls(noise_multiplier * sensitivity, sensitivity, name)
-
-    @property
-    def noise_multiplier(self):
-        return self.noise_std / self.sensitivity
-
-    def scaled(self, factor):
-        """The same release with `factor` times the noise multiplier."""
-        return type(self)(self.noise_std * factor, self.sensitivity, self.name)
-
-    def event(self):
-        return dpa.GaussianDpEvent(self.noise_multiplier)
-
-
-def effective_noise_multiplier(releases):
-    """The single Gaussian equivalent to independent Gaussian releases.
-
-    Releasing f_i + N(0, σ_i²) for i = 1..m with sensitivities Δ_i is, after
-    scaling each output by 1/σ_i, one Gaussian mechanism with unit noise and
-    L2 sensitivity sqrt(Σ (Δ_i/σ_i)²): its noise multiplier is
-    (Σ z_i⁻²)^(-1/2) with z_i = σ_i/Δ_i.
-    """
-    multipliers = [r.noise_multiplier for r in releases]
-    if any(z == 0 for z in multipliers):
-        return 0.0
-    return sum(z**-2 for z in multipliers) ** -0.5
 
 
 class Mechanism(abc.ABC):
@@ -390,7 +317,9 @@ class SampledGaussian(Mechanism):
                 f"users_per_client={self.users_per_client} make {min_pool} to "
                 f"{self.population} virtual clients; got pool_size={self.pool_size}."
             )
-        object.__setattr__(self, "setup", _check_releases(self.setup, "setup"))
+        object.__setattr__(
+            self, "setup", gaussian_release.check_releases(self.setup, "setup")
+        )
 
     @property
     def sampling_probability(self):
@@ -494,7 +423,9 @@ class GaussianReleases(Mechanism):
 
     def __post_init__(self):
         releases = tuple(self.releases)
-        if not releases or not all(isinstance(r, GaussianRelease) for r in releases):
+        if not releases or not all(
+            isinstance(r, gaussian_release.GaussianRelease) for r in releases
+        ):
             raise ValueError(
                 "releases must be a non-empty sequence of GaussianRelease, got "
                 f"{self.releases!r}."
@@ -511,7 +442,7 @@ class GaussianReleases(Mechanism):
 
     @property
     def noise_multiplier(self):
-        return effective_noise_multiplier(self.releases)
+        return gaussian_release.effective_noise_multiplier(self.releases)
 
     def setup_event(self):
         return _compose([r.event() for r in self.setup])
@@ -731,7 +662,8 @@ class TreeAggregation(Mechanism):
 
         Example:
 
-        >>> m = tree_aggregation(4.0, steps_per_epoch=100, num_examples=6_400)
+        >>> from kdpemb import privacy
+        >>> m = privacy.tree_aggregation(4.0, steps_per_epoch=100, num_examples=6_400)
         >>> m.zcdp_rho(250) == (2 * 7 + 6) / (2 * 4.0**2)  # depths 7, 7 and 6
         True
         """
@@ -803,222 +735,30 @@ def tree_depth(steps):
     return steps.bit_length()
 
 
-# Builders --------------------------------------------------------------------
+# Moved in 0.x (issue 32): the builders to `kdpemb.privacy.mechanism_builders`
+# and `GaussianRelease` to `kdpemb.privacy.gaussian_release`; their old paths
+# here work, with a DeprecationWarning, for one release.
+_MOVED = {
+    "GaussianRelease": "kdpemb.privacy.gaussian_release",
+    "effective_noise_multiplier": "kdpemb.privacy.gaussian_release",
+    "dp_sgd": "kdpemb.privacy.mechanism_builders",
+    "full_batch": "kdpemb.privacy.mechanism_builders",
+    "virtual_clients": "kdpemb.privacy.mechanism_builders",
+    "gaussian_releases": "kdpemb.privacy.mechanism_builders",
+    "zcdp": "kdpemb.privacy.mechanism_builders",
+    "tree_aggregation": "kdpemb.privacy.mechanism_builders",
+}
 
 
-def dp_sgd(
-    noise_multiplier, batch_size, num_examples, *, sampling="poisson", clip_norm=None
-):
-    """Example-level DP-SGD: per-example clipping, Gaussian noise per step.
-
-    Args:
-        noise_multiplier: float. Noise std over the clip norm.
-        batch_size: int or float. Expected batch size (Poisson) or exact
-            batch size ("fixed").
-        num_examples: int. Number of training examples N.
-        sampling: str. "poisson" (default; q = batch_size / N) or "fixed".
-            For one step on all the data use `full_batch`.
-        clip_norm: float or None. The clip norm, for the statement.
-
-    Example:
-
-    >>> m = dp_sgd(noise_multiplier=1.1, batch_size=256, num_examples=60_000)
-    >>> round(m.sampling_probability, 5), m.relation_name
-    (0.00427, 'add_or_remove_one')
-    """
-    if sampling == "full_batch":
-        raise ValueError("Use kdpemb.privacy.full_batch(...) for full-batch steps.")
-    num_examples = validation.check_positive_int(num_examples, "num_examples")
-    validation.check_sample_size(batch_size, num_examples, "batch_size", sampling)
-    return SampledGaussian(
-        noise_multiplier=noise_multiplier,
-        sampling=sampling,
-        sample_size=batch_size,
-        pool_size=num_examples,
-        population=num_examples,
-        unit="example",
-        clip_norm=clip_norm,
+def __getattr__(name):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"kdpemb.privacy.mechanisms.{name} is now {_MOVED[name]}.{name}; the "
+        "old path goes in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
     )
-
-
-def full_batch(
-    noise_multiplier, num_examples, *, clip_norm=None, unit="example", setup=()
-):
-    """Every example in every step (q = 1): one Gaussian release per step.
-
-    Example:
-
-    >>> full_batch(noise_multiplier=5.0, num_examples=1000).sampling_probability
-    1.0
-    """
-    num_examples = validation.check_positive_int(num_examples, "num_examples")
-    return SampledGaussian(
-        noise_multiplier=noise_multiplier,
-        sampling="full_batch",
-        sample_size=num_examples,
-        pool_size=num_examples,
-        population=num_examples,
-        unit=unit,
-        clip_norm=clip_norm,
-        setup=setup,
-    )
-
-
-def virtual_clients(
-    noise_multiplier,
-    clients_per_round,
-    num_users,
-    *,
-    users_per_client=1,
-    sampling="poisson",
-    clip_norm=None,
-    num_clients=None,
-):
-    """User-level DP-FedEmb / DP-FedAvg rounds over virtual clients.
-
-    Users are grouped into `ceil(num_users / users_per_client)` virtual
-    clients; each round samples `clients_per_round` of them (in
-    expectation, for Poisson), clips each client's update to C, sums, and
-    adds N(0, (zC)²) once. With `users_per_client` > 1 the relation is
-    replace-one on virtual clients (see `SampledGaussian`).
-
-    Args:
-        noise_multiplier: float. z = noise std / C.
-        clients_per_round: float. Expected virtual clients per round M.
-        num_users: int. Number of users.
-        users_per_client: int. Users per virtual client k. Defaults to 1.
-        sampling: str. "poisson" (default), "full_batch" or "fixed".
-        clip_norm: float or None. C, for the statement.
-        num_clients: int or None. P, the number of virtual clients, when it
-            is fixed from a public count (k > 1). Defaults to
-            `ceil(num_users / users_per_client)`.
-
-    Example:
-
-    >>> m = virtual_clients(1.0, clients_per_round=64, num_users=10_000,
-    ...                     users_per_client=4)
-    >>> m.pool_size, m.relation_name
-    (2500, 'replace_one')
-    """
-    from kdpemb.privacy.schedule import Schedule  # It builds on this module.
-
-    schedule = Schedule.virtual_clients(
-        num_users,
-        clients_per_round,
-        users_per_client=users_per_client,
-        num_clients=num_clients,
-        sampling=sampling,
-    )
-    return schedule.privacy_mechanism(noise_multiplier, clip_norm)
-
-
-def gaussian_releases(
-    releases, num_examples, *, setup=(), clip_norm=None, unit="example"
-):
-    """Gaussian releases of full-data statistics at every step (DP-LS, DP-Newton).
-
-    Args:
-        releases: sequence of `GaussianRelease` or `(noise_std, sensitivity)`
-            or `(noise_std, sensitivity, name)` tuples.
-        num_examples: int. Number of examples.
-        setup: one-off releases before the first step, same forms.
-        clip_norm: float or None. Feature clip norm, for the statement.
-        unit: str. "example" or "user".
-
-    Example:
-
-    >>> m = gaussian_releases([(2.0, 1.0, "gram"), (2.0, 1.0, "class sums")],
-    ...                       num_examples=10_000)
-    >>> round(m.noise_multiplier, 4)
-    1.4142
-    """
-    return GaussianReleases(
-        releases=_as_releases(releases),
-        population=num_examples,
-        unit=unit,
-        clip_norm=clip_norm,
-        setup=_as_releases(setup),
-    )
-
-
-def _check_releases(items, name):
-    """`items` as a tuple of `GaussianRelease`, or a TypeError naming `name`."""
-    try:
-        releases = tuple(items)
-    except TypeError as error:
-        raise TypeError(
-            f"{name} must be a sequence of GaussianRelease, got {items!r}."
-        ) from error
-    for release in releases:
-        if not isinstance(release, GaussianRelease):
-            raise TypeError(
-                f"{name} must hold GaussianRelease objects (see "
-                f"kdpemb.privacy.GaussianRelease), got {release!r}."
-            )
-    return releases
-
-
-def _as_releases(items):
-    return tuple(
-        item if isinstance(item, GaussianRelease) else GaussianRelease(*item)
-        for item in items
-    )
-
-
-def zcdp(
-    rho, population, *, xi=0.0, unit="example", neighboring_relation="add_or_remove_one"
-):
-    """Steps that each satisfy (ξ, ρ)-zCDP (RDP accountant only).
-
-    Example:
-
-    >>> zcdp(rho=0.01, population=1000).step_event()
-    ZCDpEvent(rho=0.01, xi=0.0)
-    """
-    return ZCDP(
-        rho=rho, population=population, xi=xi, unit=unit, relation=neighboring_relation
-    )
-
-
-def tree_aggregation(
-    noise_multiplier,
-    steps_per_epoch,
-    num_examples,
-    *,
-    unit="example",
-    users_per_client=1,
-    leaves_per_tree=None,
-    clip_norm=None,
-):
-    """DP-FTRL: tree-aggregated noise, each unit in one step per epoch.
-
-    RDP accountant only (and `TreeAggregation.zcdp_rho` for zCDP). For user-level
-    rounds over virtual clients, take the mechanism from
-    `Schedule.virtual_clients(..., sampling="epochs")` instead.
-
-    Args:
-        noise_multiplier: float. z, noise std per tree node over C.
-        steps_per_epoch: int. Steps per epoch.
-        num_examples: int. Number of privacy units (examples, or users).
-        unit: str. "example" (default) or "user".
-        users_per_client: int. k, users per virtual client. Defaults to 1.
-        leaves_per_tree: int or None. Steps before the tree restarts; None
-            (default) restarts every epoch; 1 is independent noise.
-        clip_norm: float or None. C, for the statement.
-
-    Example:
-
-    >>> m = tree_aggregation(10.0, steps_per_epoch=100, num_examples=6400)
-    >>> two_epochs, partial_epoch = m.event(250).events
-    >>> two_epochs.count, two_epochs.event.step_counts, partial_epoch.step_counts
-    (2, [100], [50])
-    """
-    return TreeAggregation(
-        noise_multiplier=noise_multiplier,
-        steps_per_epoch=steps_per_epoch,
-        population=num_examples,
-        unit=unit,
-        users_per_client=users_per_client,
-        leaves_per_tree=leaves_per_tree,
-        clip_norm=clip_norm,
-    )
+    # Loaded by the package kdpemb.privacy (which loads this module first):
+    # looked up, not imported, so this module imports neither back.
+    return getattr(sys.modules[_MOVED[name]], name)

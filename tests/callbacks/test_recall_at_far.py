@@ -148,7 +148,7 @@ def test_diverged_embeddings_get_the_callbacks_own_message():
 
 
 def test_an_input_without_labels_is_refused_when_the_callback_is_made():
-    from kdpemb.data import inputs
+    from kdpemb.datasets import inputs
 
     images_only = inputs.open_input(held_out()[0])
     with pytest.raises(ValueError, match=r"without labels"):

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kdpemb.data import inputs
-from kdpemb.datasets import UserImages
+from kdpemb.datasets import UserImages, inputs
 from tests.data.elements import Elements, batches
 
 N = 7
@@ -175,7 +174,7 @@ def test_batch_size_must_be_a_positive_int(batch_size):
 def test_telling_the_kind_of_data_imports_no_tensorflow():
     code = (
         "import sys, keras, numpy as np\n"
-        "from kdpemb.data import inputs\n"
+        "from kdpemb.datasets import inputs\n"
         "class Two(keras.utils.PyDataset):\n"
         "    def __len__(self): return 2\n"
         "    def __getitem__(self, i): return np.zeros((3, 2))\n"

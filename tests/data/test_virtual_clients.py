@@ -9,9 +9,10 @@ from scipy import stats
 
 from kdpemb import privacy
 from kdpemb.data import VirtualClients
-from kdpemb.data.assignment import assign_virtual_clients, user_keys
+from kdpemb.data.assignment import assign_virtual_clients
 from kdpemb.data.round_size import max_clients_per_round, overflow_probability
 from kdpemb.datasets import UserImages
+from kdpemb.datasets.user_hash import user_keys
 from kdpemb.errors import ReproducibleSamplingWarning, RoundTruncationError
 from kdpemb.testing import RoundConsumer
 from tests.data.elements import population, without_user

@@ -15,8 +15,8 @@ from scipy import stats
 from kdpemb import privacy
 from kdpemb.data import VirtualClients
 from kdpemb.data import virtual_clients as vc
-from kdpemb.data.assignment import user_keys
 from kdpemb.data.virtual_clients import participation_counts
+from kdpemb.datasets.user_hash import user_keys
 from kdpemb.errors import RoundTruncationError
 from kdpemb.testing import RoundConsumer
 from tests.data import elements

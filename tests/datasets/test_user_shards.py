@@ -14,9 +14,9 @@ from kdpemb.datasets import (
     UserShards,
     from_directory,
     synthetic_identities,
-    user_shards,
     write_user_shards,
 )
+from kdpemb.datasets import user_shards_writer as user_shards
 from kdpemb.errors import CorruptDatasetError, DatasetNotFoundError
 from tests.data.elements import Elements, batches, population
 

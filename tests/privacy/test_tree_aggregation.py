@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kdpemb import cli, privacy
-from kdpemb.privacy import Schedule, mechanisms
+from kdpemb.privacy import Schedule, mechanism_builders, mechanisms
 
 Relation = dpa.NeighboringRelation
 
@@ -133,7 +133,7 @@ def test_tree_noise_needs_rounds_without_sampling():
     with pytest.raises(ValueError, match="steps_per_epoch"):
         Schedule(population=100, sample_size=10, sampling="epochs")
     with pytest.raises(ValueError, match="leaves_per_tree"):
-        mechanisms.tree_aggregation(1.0, 10, 100, leaves_per_tree=11)
+        mechanism_builders.tree_aggregation(1.0, 10, 100, leaves_per_tree=11)
 
 
 def test_the_schedule_round_trips_and_describes_itself():
