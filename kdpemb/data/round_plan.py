@@ -93,7 +93,7 @@ class RoundPlanner:
             self.root_seed = int(seed)
         self._epoch_lock = threading.Lock()
         self.epochs_claimed = 0
-        self.epoch = self.claim_epoch()
+        self.start_epoch()
 
     # ----------------------------------------------------------- epochs --
 
@@ -103,11 +103,15 @@ class RoundPlanner:
             self.epochs_claimed += 1
             return self.epochs_claimed - 1
 
+    def start_epoch(self):
+        """Makes `epoch` (what the current pass reads) a new epoch."""
+        self.epoch = self.claim_epoch()
+
     def skip_epochs(self, claimed):
         """Makes `epoch` a new epoch after the first `claimed` ones."""
         with self._epoch_lock:
             self.epochs_claimed = claimed
-        self.epoch = self.claim_epoch()
+        self.start_epoch()
 
     def reseed(self, root_seed):
         """Plans from now on with `root_seed` (forgets cached layouts)."""

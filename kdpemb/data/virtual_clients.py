@@ -500,7 +500,7 @@ class VirtualClients(keras.utils.PyDataset):
             yield self._epoch_round(epoch, index)
 
     def on_epoch_end(self):
-        self.planner.epoch = self.planner.claim_epoch()
+        self.planner.start_epoch()
 
     def to_tf_dataset(self):
         """The rounds as a prefetched `tf.data.Dataset` of dicts.
