@@ -1,71 +1,34 @@
-"""`VirtualClients`: user data as fixed-shape DP-FedEmb training rounds."""
+"""`VirtualClients`: user data as fixed-shape DP-FedEmb training rounds.
 
-import hashlib
+A `keras.utils.PyDataset` shell: a `RoundPlanner` (`kdpemb.data.round_plan`)
+says which examples each round holds; `VirtualClients` gathers them into
+the arrays of a round, serves them to `model.fit` (or as `to_tf_dataset()`)
+and, on several hosts, serves this host's rows (`kdpemb.data.host_rounds`).
+"""
+
 import math
-import numbers
-import secrets
-import threading
-import warnings
 import weakref
-from typing import NamedTuple
 
 import keras
 import numpy as np
 
 from kdpemb import _validation as validation
-from kdpemb.data import assignment, round_size, sources
-from kdpemb.datasets.user_shards_reader import UserShards
-from kdpemb.errors import (
-    DataDependentScheduleWarning,
-    ReproducibleSamplingWarning,
-    RoundTruncationError,
-)
-from kdpemb.privacy import Schedule, mechanisms
-from kdpemb.privacy.schedule import rounds_per_epoch_for
+from kdpemb.data import host_rounds, sources
+from kdpemb.data.round_arrays import POSITION_KEYS, element_spec, round_arrays
 
-_SAMPLINGS = ("poisson", "fixed", "epochs")
-_CLIENT_ORDERS = ("shuffled", "fixed")
-# Largest overflow probability of a Poisson round's default bound M_max. For
-# k > 1 the count of sampled slots depends on no one's data (P is public),
-# so 1e-9 only makes a failed run rare. For k = 1 the count is the number of
-# sampled users, so whether a round overflows depends on who is present and
-# adds up to e^ε · rounds · p to δ: 1e-30 keeps that below 1e-10 for any
-# ε <= 25 and up to 10^9 rounds.
-TRUNCATION_TOLERANCE = {"independent of data": 1e-9, "data dependent": 1e-30}
-_ROUND_STREAM, _CLIENT_STREAM, _EPOCH_STREAM, _LAYOUT_ID_STREAM = 1, 2, 3, 4
-# With sampling="epochs", each round also says which epoch layout (who is
-# in which round) it is from, and its position in that epoch.
-_POSITION_KEYS = ("epoch_id", "round_in_epoch")
-_MAX_SEED = 2**128
-# On several hosts each row says its round, modulo this: small enough that
-# the replicas' int32 sum of it cannot overflow.
-_ROUND_INDEX_MODULUS = 2**20
-# An epoch's length is a Python (and tf.data) integer: at most 2**53 rounds.
-MAX_ROUNDS_PER_EPOCH = 2**53
+# ClientPlan and the two bounds were defined here before the planner moved
+# out: they stay importable from this module.
+from kdpemb.data.round_plan import ClientPlan as ClientPlan
+from kdpemb.data.round_plan import RoundPlanner
+from kdpemb.data.round_settings import MAX_ROUNDS_PER_EPOCH as MAX_ROUNDS_PER_EPOCH
+from kdpemb.data.round_settings import TRUNCATION_TOLERANCE as TRUNCATION_TOLERANCE
+from kdpemb.data.round_settings import RoundSettings
+from kdpemb.data.user_index import index_users
 
 
-class _GroupedExamples:
-    """`_examples_by_user` of data stored grouped by user: the identity."""
-
-    def __getitem__(self, index):
-        return np.asarray(index)
-
-
-_GROUPED = _GroupedExamples()
-
-
-class ClientPlan(NamedTuple):
-    """One sampled virtual client of a round.
-
-    Attributes:
-        users: int array. Indices (into `VirtualClients.user_names`) of the
-            client's users.
-        example_index: int array `[local_steps, batch_size]`. Indices of
-            the examples in each local batch; -1 marks an empty slot.
-    """
-
-    users: np.ndarray
-    example_index: np.ndarray
+def _planned(name, doc):
+    """A read-only attribute of the rounds' `RoundSettings`."""
+    return property(lambda self: getattr(self.planner.settings, name), doc=doc)
 
 
 class VirtualClients(keras.utils.PyDataset):
@@ -265,355 +228,73 @@ class VirtualClients(keras.utils.PyDataset):
         self._labels = labels
         self.num_classes = num_classes
         self.image_shape = tuple(int(d) for d in images.shape[1:])
-        self._index_users(user_ids, users)
-
-        self.users_per_client = validation.check_positive_int(
-            users_per_client, "users_per_client"
+        user_index = index_users(user_ids, users)
+        settings = RoundSettings(
+            user_index.num_users,
+            clients_per_round=clients_per_round,
+            users_per_client=users_per_client,
+            sampling=sampling,
+            client_order=client_order,
+            local_steps=local_steps,
+            batch_size=batch_size,
+            max_examples_per_client=max_examples_per_client,
+            max_clients_per_round=max_clients_per_round,
+            rounds_per_epoch=rounds_per_epoch,
+            num_clients=num_clients,
+            workers=self.workers,
         )
-        if self.users_per_client > self.num_users:
-            raise ValueError(
-                f"users_per_client={users_per_client} is more than the "
-                f"{self.num_users} users in the data. Use at most "
-                f"{self.num_users}, or add users."
-            )
-        if not isinstance(sampling, str) or sampling not in _SAMPLINGS:
-            raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}.")
-        self.sampling = sampling
-        self.client_order = self._check_client_order(client_order)
-        if sampling == "epochs" and self.workers > 1:
-            raise ValueError(
-                f"workers={self.workers}: with sampling='epochs' Keras must read "
-                "the rounds in order, one whole epoch per Keras epoch. Keras' "
-                "multi-worker loader carries rounds it prefetched over into the "
-                "next Keras epoch, which would then mix two epochs of rounds (a "
-                "user could take part twice in one DP-FTRL tree). Use workers=1 "
-                "(the default), or `to_tf_dataset()` for rounds prepared ahead."
-            )
-        self.num_clients = self._check_num_clients(num_clients)
-        if self.sampling == "epochs":
-            self.local_steps = validation.check_positive_int(local_steps, "local_steps")
-            self.rounds_per_epoch = self._check_epoch_rounds(
-                clients_per_round, rounds_per_epoch
-            )
-            # P enters the schedule only when given: a P derived from the
-            # user count is not public (`Schedule.pool_is_public`).
-            self._schedule = Schedule.virtual_clients(
-                self.num_users,
-                clients_per_round,
-                users_per_client=self.users_per_client,
-                num_clients=None if num_clients is None else self.num_clients,
-                sampling=self.sampling,
-                local_steps=self.local_steps,
-                rounds_per_epoch=self.rounds_per_epoch,
-            )
-            self.clients_per_round = self._schedule.sample_size
-            self.sampling_rate = self._schedule.sampling_probability
-        else:
-            self.clients_per_round = self._check_clients_per_round(clients_per_round)
-            self.sampling_rate = self.clients_per_round / self.num_clients
-            self.local_steps = validation.check_positive_int(local_steps, "local_steps")
-            self._schedule = Schedule.virtual_clients(
-                self.num_users,
-                self.clients_per_round,
-                users_per_client=self.users_per_client,
-                num_clients=None if num_clients is None else self.num_clients,
-                sampling=self.sampling,
-                local_steps=self.local_steps,
-            )
-        self.batch_size = validation.check_positive_int(batch_size, "batch_size")
-        self.max_examples_per_client = self._check_cap(max_examples_per_client)
-        self.max_clients_per_round, self.truncation_probability = self._round_bound(
-            max_clients_per_round
-        )
-        if self.sampling != "epochs":
-            given = rounds_per_epoch is not None
-            if not given:
-                rounds_per_epoch = max(
-                    1, math.floor(self.num_clients / self.clients_per_round)
-                )
-            self.rounds_per_epoch = validation.check_positive_int(
-                rounds_per_epoch, "rounds_per_epoch"
-            )
-            if self.rounds_per_epoch > MAX_ROUNDS_PER_EPOCH:
-                what = (
-                    f"rounds_per_epoch={self.rounds_per_epoch}"
-                    if given
-                    else f"clients_per_round={self.clients_per_round:g} makes "
-                    f"an epoch of floor(P / M) = {self.rounds_per_epoch:.3g} "
-                    "rounds, which"
-                )
-                raise ValueError(
-                    f"{what} is more than the {MAX_ROUNDS_PER_EPOCH} rounds an "
-                    "epoch (len() of this dataset) can hold. Pass a smaller "
-                    "rounds_per_epoch (and fit with epochs)."
-                )
-        # The last epochs' layouts (`_epoch_layout`), shared by the threads
-        # that prepare rounds.
-        self._layout_lock = threading.Lock()
-        self._layouts = {}
+        # Which users, clients and examples each round holds.
+        self.planner = RoundPlanner(settings, user_index, seed)
         # Which slice of every round's client rows this process serves
         # (`join_hosts`); one host serves them all.
-        self.host_index, self.host_count = 0, 1
-        self._seed_is_fixed = seed is not None
-        if seed is None:
-            self._root_seed = secrets.randbits(128)
-        else:
-            if (
-                not isinstance(seed, numbers.Integral)
-                or isinstance(seed, bool)
-                or not 0 <= seed < _MAX_SEED
-            ):
-                raise ValueError(
-                    f"seed must be None or an int in [0, 2**128), got {seed!r}."
-                )
-            warnings.warn(
-                f"VirtualClients(seed={seed!r}) makes the client sampling "
-                "reproducible: anyone who knows the seed knows which users "
-                "took part in each round, and the privacy guarantee assumes "
-                "they do not. Use seed=None for a model you release.",
-                ReproducibleSamplingWarning,
-                stacklevel=2,
-            )
-            self._root_seed = int(seed)
-        # Every pass over the rounds (a Keras epoch, an iteration of the
-        # PyDataset or of `to_tf_dataset()`) claims an epoch number never
-        # used before, so no round is ever served for training twice.
-        self._epoch_lock = threading.Lock()
-        self._epochs_claimed = 0
-        self._epoch = self._claim_epoch()
+        self.hosts = host_rounds.HostSlice()
 
-    # ----------------------------------------------------------- set-up --
+    # ------------------------------------------------------- attributes --
 
-    def _index_users(self, user_ids, roster):
-        if isinstance(user_ids, UserShards):
-            self._index_shards(user_ids, roster)
-            return
-        self._shards = None
-        try:
-            names, user_of_example = np.unique(user_ids, return_inverse=True)
-        except TypeError:
-            raise ValueError(
-                "user_ids mix types that cannot be ordered (e.g. ints and "
-                "strings); use one type, e.g. str(user) for every id."
-            ) from None
-        if roster is not None:
-            _check_roster(names, roster, "user_ids", stacklevel=4)
-        self.user_names = names
-        self.num_users = int(names.size)
-        self.num_examples = int(user_of_example.size)
-        self._keys = assignment.user_keys(names)
-        if np.unique(self._keys).size != self._keys.size:
-            raise ValueError(
-                "Two user ids share a 64-bit key (a BLAKE2b collision of "
-                "string ids); they would share a virtual client. Rename one "
-                "user or use integer ids."
-            )
-        self._examples_by_user = np.argsort(user_of_example, kind="stable")
-        counts = np.bincount(user_of_example, minlength=self.num_users)
-        self._user_offsets = np.concatenate([[0], np.cumsum(counts)])
+    users_per_client = _planned("users_per_client", "k, users per virtual client.")
+    sampling = _planned("sampling", '"poisson", "fixed" or "epochs".')
+    client_order = _planned("client_order", 'With sampling="epochs": the order.')
+    num_clients = _planned("num_clients", "P, the number of virtual clients.")
+    clients_per_round = _planned("clients_per_round", "M, clients per round.")
+    sampling_rate = _planned("sampling_rate", "q = M / P.")
+    local_steps = _planned("local_steps", "Local batches per client per round.")
+    batch_size = _planned("batch_size", "Examples per local batch.")
+    max_examples_per_client = _planned(
+        "max_examples_per_client", "Cap on a client's examples per round."
+    )
+    max_clients_per_round = _planned(
+        "max_clients_per_round", "M_max, the client rows of a round."
+    )
+    truncation_probability = _planned(
+        "truncation_probability", "Probability that a round exceeds M_max."
+    )
+    rounds_per_epoch = _planned("rounds_per_epoch", "Rounds per pass (`len`).")
 
-    def _index_shards(self, shards, roster):
-        """The per-user index of a `UserShards`, memory-mapped as written.
+    user_names = property(
+        lambda self: self.planner.users.user_names,
+        doc="User ids, sorted; `ClientPlan.users` index them.",
+    )
+    num_users = property(
+        lambda self: self.planner.users.num_users, doc="N, users with examples."
+    )
+    num_examples = property(
+        lambda self: self.planner.users.num_examples, doc="Examples of all users."
+    )
+    host_index = property(
+        lambda self: self.hosts.index, doc="This host's index (0 on one host)."
+    )
+    host_count = property(
+        lambda self: self.hosts.count, doc="Hosts sharing the rounds (`join_hosts`)."
+    )
 
-        Its users are sorted as `np.unique` sorts them and each user's
-        examples are contiguous, in input order, so the rounds are those of
-        the same data in memory; nothing per example is built.
-        """
-        names = shards.user_names
-        if roster is not None:
-            _check_roster(names, roster, shards.directory, stacklevel=5)
-        self._shards = shards
-        self.user_names = names
-        self.num_users = shards.num_users
-        self.num_examples = shards.num_images
-        self._keys = shards.user_keys
-        self._examples_by_user = _GROUPED
-        self._user_offsets = shards.user_offsets
+    # The user index and seed under their former names (tests read them).
+    _keys = property(lambda self: self.planner.users.keys)
+    _user_offsets = property(lambda self: self.planner.users.user_offsets)
+    _examples_by_user = property(lambda self: self.planner.users.examples_by_user)
+    _root_seed = property(lambda self: self.planner.root_seed)
 
-    def _check_num_clients(self, value):
-        k = self.users_per_client
-        if value is None:
-            return mechanisms.num_virtual_clients(self.num_users, k)
-        value = validation.check_positive_int(value, "num_clients")
-        if k == 1 and value != self.num_users:
-            raise ValueError(
-                f"num_clients={value}: with users_per_client=1 every user is "
-                f"their own virtual client, so num_clients is the number of "
-                f"users ({self.num_users}). Leave it None."
-            )
-        low = mechanisms.num_virtual_clients(self.num_users, k)
-        if not low <= value <= self.num_users:
-            raise ValueError(
-                f"num_clients={value} must be between ceil(N / k) = {low} and "
-                f"N = {self.num_users} for {self.num_users} users with "
-                f"users_per_client={k}."
-            )
-        return value
-
-    def _check_client_order(self, order):
-        if self.sampling != "epochs":
-            if order is not None:
-                raise ValueError(
-                    f"client_order={order!r} is for sampling='epochs' only (rounds "
-                    f"without sampling); sampling={self.sampling!r} draws new "
-                    "clients every round. Leave client_order None, or use "
-                    "sampling='epochs'."
-                )
-            return None
-        if order is None:
-            return "shuffled"
-        if not isinstance(order, str) or order not in _CLIENT_ORDERS:
-            raise ValueError(
-                f"client_order must be one of {_CLIENT_ORDERS}, got {order!r}."
-            )
-        return order
-
-    def _check_epoch_rounds(self, clients_per_round, rounds_per_epoch):
-        """R, the public number of rounds per epoch, for sampling='epochs'."""
-        pool = self.num_clients
-        if clients_per_round is not None:
-            clients_per_round = self._check_clients_per_round(clients_per_round)
-        if rounds_per_epoch is None:
-            if clients_per_round is None:
-                raise ValueError(
-                    "sampling='epochs' needs clients_per_round (M: an epoch is "
-                    "then R = ceil(P / M) rounds) or rounds_per_epoch (R, a "
-                    "public number). Pass one of them."
-                )
-            rounds = rounds_per_epoch_for(pool, clients_per_round)
-            if self.users_per_client == 1:
-                warnings.warn(
-                    f"sampling='epochs' with one user per virtual client: the "
-                    f"epoch's R = ceil(N / M) = {rounds} rounds derives from "
-                    f"the private user count N = {pool}, and every user's round "
-                    "depends on R, so one user more or less can move everyone. "
-                    "Pass rounds_per_epoch from a public count.",
-                    DataDependentScheduleWarning,
-                    stacklevel=4,
-                )
-        else:
-            rounds = validation.check_positive_int(rounds_per_epoch, "rounds_per_epoch")
-            if clients_per_round is not None:
-                implied = rounds_per_epoch_for(pool, clients_per_round)
-                if implied != rounds:
-                    raise ValueError(
-                        f"clients_per_round={clients_per_round:g} and "
-                        f"rounds_per_epoch={rounds} disagree: {pool} virtual "
-                        f"clients in {rounds} rounds make {pool / rounds:.4g} "
-                        f"per round, and clients_per_round={clients_per_round:g} "
-                        f"makes ceil(P / M) = {implied} rounds. Pass only one "
-                        "of them."
-                    )
-        if rounds > pool:
-            given = (
-                f"rounds_per_epoch={rounds}"
-                if rounds_per_epoch is not None
-                else f"clients_per_round={clients_per_round:g} (R = {rounds} rounds)"
-            )
-            raise ValueError(
-                f"{given}: an epoch of {rounds} rounds over {pool} virtual "
-                f"clients would leave some rounds always empty. Use at most "
-                f"rounds_per_epoch={pool} (clients_per_round >= 1)."
-            )
-        return rounds
-
-    def _check_clients_per_round(self, value):
-        if value is None:
-            raise ValueError(
-                f"sampling={self.sampling!r} needs clients_per_round, M: the "
-                "expected number of virtual clients per round."
-            )
-        value = validation.check_positive(value, "clients_per_round")
-        if value > self.num_clients:
-            raise ValueError(
-                f"clients_per_round={value:g} is more than the "
-                f"{self.num_clients} virtual clients that {self.num_users} "
-                f"users make with users_per_client={self.users_per_client}. "
-                f"Use at most {self.num_clients} (q = M / P must be <= 1)."
-            )
-        if self.sampling == "fixed":
-            if value != int(value):
-                raise ValueError(
-                    f"sampling='fixed' takes exactly clients_per_round clients, "
-                    f"which must be a whole number; got {value:g}."
-                )
-            value = int(value)
-        return value
-
-    def _check_cap(self, cap):
-        slots = self.local_steps * self.batch_size
-        if cap is None:
-            return slots
-        cap = validation.check_positive_int(cap, "max_examples_per_client")
-        if cap > slots:
-            raise ValueError(
-                f"max_examples_per_client={cap} is more than the "
-                f"local_steps * batch_size = {slots} examples a client can "
-                f"use in a round. Use at most {slots}, or more local steps."
-            )
-        return cap
-
-    @property
-    def _truncation_tolerance(self):
-        if self.users_per_client == 1:
-            return TRUNCATION_TOLERANCE["data dependent"]
-        return TRUNCATION_TOLERANCE["independent of data"]
-
-    def _round_bound(self, bound):
-        if self.sampling == "fixed":
-            if bound is not None and bound != self.clients_per_round:
-                raise ValueError(
-                    f"max_clients_per_round={bound}: sampling='fixed' takes "
-                    f"exactly clients_per_round={self.clients_per_round} slots. "
-                    "Leave it None."
-                )
-            return self.clients_per_round, 0.0
-        rate = self.sampling_rate
-        if self.sampling == "epochs":
-            # k > 1: a round holds a public number of slots. k = 1: each
-            # user's round is uniform over R, so a round holds
-            # Binomial(N, 1 / R) users.
-            if self.users_per_client > 1:
-                return self._epoch_slots_bound(bound), 0.0
-            rate = 1.0 / self.rounds_per_epoch
-        tolerance = self._truncation_tolerance
-        if bound is None:
-            bound = round_size.max_clients_per_round(self.num_clients, rate, tolerance)
-        bound = validation.check_positive_int(bound, "max_clients_per_round")
-        probability = round_size.overflow_probability(self.num_clients, rate, bound)
-        if probability > tolerance:
-            extra = (
-                " With users_per_client=1 whether a round overflows depends on "
-                "who is present: it adds up to e^ε · rounds · "
-                f"{probability:.2g} to δ."
-                if self.users_per_client == 1
-                else ""
-            )
-            warnings.warn(
-                f"max_clients_per_round={bound}: a round draws more clients "
-                f"with probability {probability:.2g}, and then training stops "
-                "with RoundTruncationError. Leave it as None for a bound "
-                f"with probability <= {tolerance:g}." + extra,
-                UserWarning,
-                stacklevel=3,
-            )
-        return min(bound, self.num_clients), probability
-
-    def _epoch_slots_bound(self, bound):
-        slots = math.ceil(self.num_clients / self.rounds_per_epoch)
-        if bound is not None:
-            bound = validation.check_positive_int(bound, "max_clients_per_round")
-            if bound != slots:
-                raise ValueError(
-                    f"max_clients_per_round={bound}: with sampling='epochs' and "
-                    f"users_per_client={self.users_per_client} every round "
-                    f"holds ceil(P / R) = ceil({self.num_clients} / "
-                    f"{self.rounds_per_epoch}) = {slots} client slots (or one "
-                    "fewer). Leave it None."
-                )
-        return slots
-
-    # ------------------------------------------------------- properties --
+    def _rng(self, stream, round_index, key=0):
+        return self.planner.rng(stream, round_index, key)
 
     @property
     def max_local_classes(self):
@@ -623,38 +304,25 @@ class VirtualClients(keras.utils.PyDataset):
     @property
     def max_identities_per_user(self):
         """Most identities any one user holds."""
-        if self._shards is not None:
-            return self._shards.max_identities_per_user
-        counts = np.diff(self._user_offsets)
-        users = np.repeat(np.arange(self.num_users), counts)
-        labels = self._labels[self._examples_by_user].astype(np.int64)
-        pairs = np.unique(users * self.num_classes + labels)
-        return int(np.bincount(pairs // self.num_classes).max())
+        return self.planner.users.max_identities_per_user(
+            self._labels, self.num_classes
+        )
 
     @property
     def element_spec(self):
         """`{key: (shape, dtype)}` of one round as this host serves it
         (`rows_per_host` rows; all `max_clients_per_round` on one host)."""
-        m, s, b = self.rows_per_host, self.local_steps, self.batch_size
-        grid = (m, s, b)
-        return {
-            "images": ((*grid, *self.image_shape), np.dtype(self._images.dtype)),
-            "labels": (grid, np.dtype(np.int32)),
-            "global_labels": (grid, np.dtype(np.int32)),
-            "example_mask": (grid, np.dtype(bool)),
-            "client_mask": ((m,), np.dtype(bool)),
-            "num_local_classes": ((m,), np.dtype(np.int32)),
-            **(
-                {key: ((m,), np.dtype(np.int32)) for key in _POSITION_KEYS}
-                if self.sampling == "epochs"
-                else {}
-            ),
-            **(
-                {"round_index": ((m,), np.dtype(np.int32))}
-                if self.host_count > 1
-                else {}
-            ),
-        }
+        keys = POSITION_KEYS if self.sampling == "epochs" else ()
+        if self.host_count > 1:
+            keys = (*keys, "round_index")
+        return element_spec(
+            self.rows_per_host,
+            self.local_steps,
+            self.batch_size,
+            self.image_shape,
+            self._images.dtype,
+            keys=keys,
+        )
 
     @property
     def round_nbytes(self):
@@ -685,29 +353,15 @@ class VirtualClients(keras.utils.PyDataset):
         >>> mechanism.pool_size, mechanism.sample_size, mechanism.unit
         (4, 2.0, 'user')
         """
-        return self._schedule
+        return self.planner.settings.schedule
 
     def describe(self):
         """A few lines on the population, the sampling and one round."""
         spec = self.element_spec
-        if self.sampling == "epochs":
-            how = (
-                f"no sampling: each in one of {self.rounds_per_epoch} rounds "
-                f"per epoch ({self.client_order} order), "
-                f"{self.clients_per_round:.4g} per round"
-            )
-        else:
-            how = (
-                f"{self.sampling} sampling, M = {self.clients_per_round:g} "
-                f"per round (q = {self.sampling_rate:.4g})"
-            )
         lines = [
             f"{self.num_examples} examples of {self.num_classes} identities "
             f"from {self.num_users} users",
-            f"{self.num_clients} virtual clients of ~{self.users_per_client} "
-            f"user(s); {how}",
-            f"M_max = {self.max_clients_per_round} client slots "
-            f"(overflow probability {self.truncation_probability:.2g} per round)",
+            *self.planner.settings.describe(),
             f"{self.rounds_per_epoch} rounds per epoch, "
             f"{self.round_nbytes / 2**20:.1f} MiB per round",
         ]
@@ -717,28 +371,9 @@ class VirtualClients(keras.utils.PyDataset):
         return "\n".join(lines)
 
     def __repr__(self):
-        return (
-            f"VirtualClients(num_users={self.num_users}, "
-            f"num_clients={self.num_clients}, "
-            f"clients_per_round={self.clients_per_round:g}, "
-            f"sampling={self.sampling!r}"
-            + (
-                f", rounds_per_epoch={self.rounds_per_epoch}, "
-                f"client_order={self.client_order!r})"
-                if self.sampling == "epochs"
-                else ")"
-            )
-        )
+        return f"VirtualClients({self.planner.settings.arguments()})"
 
-    # --------------------------------------------------------- sampling --
-
-    def _rng(self, stream, round_index, key=0):
-        # Fixed-width words after a 128-bit root: no two (stream, round,
-        # key) triples share a random stream.
-        words = (stream, *_words64(round_index), *_words64(key))
-        return np.random.default_rng(
-            np.random.SeedSequence(self._root_seed, spawn_key=words)
-        )
+    # ----------------------------------------------------------- rounds --
 
     def plan_round(self, round_index):
         """The clients of one round: `{client_key: ClientPlan}`.
@@ -747,149 +382,7 @@ class VirtualClients(keras.utils.PyDataset):
         the client slot for k > 1. Clients without users are left out. The
         arrays of `round()` are built from this plan.
         """
-        round_index = validation.check_steps(round_index, "round_index", minimum=0)
-        if self.sampling == "epochs":
-            members = self._epoch_members(round_index)
-        else:
-            members = self._sampled_members(round_index)
-        return {
-            key: self._plan_client(users, self._rng(_CLIENT_STREAM, round_index, key))
-            for key, users in members.items()
-            if users.size
-        }
-
-    def _sampled_members(self, round_index):
-        """`{client key: user indices}` of a Poisson or fixed-size round."""
-        salts = self._rng(_ROUND_STREAM, round_index).integers(
-            0, 2**64, size=3, dtype=np.uint64, endpoint=False
-        )
-        assign_salt, sample_salt, _ = (int(s) for s in salts)
-        if self.users_per_client == 1:
-            client_keys = self._keys
-            members = None
-        else:
-            client_keys = np.arange(self.num_clients, dtype=np.uint64)
-            slots = assignment.assign_virtual_clients(
-                self._keys, self.num_clients, assign_salt
-            )
-        if self.sampling == "poisson":
-            chosen = np.flatnonzero(
-                assignment.hash_uniform(client_keys, sample_salt) < self.sampling_rate
-            )
-        else:
-            order = np.argsort(assignment.keyed_hash(client_keys, sample_salt))
-            chosen = np.sort(order[: self.clients_per_round])
-        self._check_round_size(round_index, chosen.size, "sampled")
-        if self.users_per_client == 1:
-            members = {int(client_keys[u]): np.array([u]) for u in chosen}
-        elif chosen.size == 0:
-            members = {}
-        else:
-            in_round = np.flatnonzero(np.isin(slots, chosen))
-            by_slot = in_round[np.argsort(slots[in_round], kind="stable")]
-            bounds = np.searchsorted(slots[by_slot], chosen)
-            groups = np.split(by_slot, bounds[1:])
-            members = {
-                int(slot): users for slot, users in zip(chosen, groups, strict=True)
-            }
-        return members
-
-    def _check_round_size(self, round_index, count, verb):
-        if count > self.max_clients_per_round:
-            raise RoundTruncationError(
-                f"Round {round_index} {verb} {count} virtual clients, "
-                f"more than max_clients_per_round={self.max_clients_per_round} "
-                f"(probability {self.truncation_probability:.2g} per round). "
-                "No update was computed from it. Raise max_clients_per_round "
-                "(or leave it None) and resume."
-            )
-
-    def _epoch_members(self, round_index):
-        """`{client key: user indices}` of a round of sampling='epochs'."""
-        epoch, position = divmod(round_index, self.rounds_per_epoch)
-        layout = self._epoch_layout(epoch)
-        if self.users_per_client == 1:
-            chosen = layout[position]
-            self._check_round_size(round_index, chosen.size, "holds")
-            return {int(self._keys[u]): np.array([u]) for u in chosen}
-        slots, users_by_slot, slot_bounds = layout
-        start, stop = _epoch_positions(
-            position, self.num_clients, self.rounds_per_epoch
-        )
-        return {
-            int(slot): users_by_slot[slot_bounds[slot] : slot_bounds[slot + 1]]
-            for slot in np.sort(slots[start:stop])
-        }
-
-    def _epoch_id(self, epoch):
-        """A 31-bit identity of an epoch's layout (who is in which round),
-        drawn from the sampling seed: the same for the same layout (with
-        `client_order="fixed"`, every epoch's), and with probability
-        1 - 2^-31 different for another epoch or another `VirtualClients`
-        (a restarted job draws a new seed, and a new layout)."""
-        key = 0 if self.client_order == "fixed" else epoch
-        return int(self._rng(_LAYOUT_ID_STREAM, key).integers(0, 2**31 - 1))
-
-    def _epoch_layout(self, epoch):
-        """Who is where in one epoch of sampling='epochs' (cached).
-
-        k = 1: a list of R arrays, the users of each round; a user's round
-        is floor(hash_uniform(user key, salt) * R), which looks at no other
-        user. k > 1: `(slot order, users sorted by slot, slot bounds)`;
-        every user keeps one slot (a keyed hash with the epoch's salt) for
-        the whole epoch, and round r takes the slots at positions j of the
-        order with floor(j * R / P) = r. With `client_order="fixed"` the
-        salts (and for k > 1 the slot order 0..P-1) are those of epoch 0.
-        """
-        key = 0 if self.client_order == "fixed" else epoch
-        with self._layout_lock:
-            layout = self._layouts.get(key)
-        if layout is not None:
-            return layout
-        salts = self._rng(_EPOCH_STREAM, key).integers(
-            0, 2**64, size=2, dtype=np.uint64, endpoint=False
-        )
-        assign_salt, order_salt = (int(s) for s in salts)
-        rounds = self.rounds_per_epoch
-        if self.users_per_client == 1:
-            place = assignment.hash_uniform(self._keys, assign_salt) * rounds
-            place = np.minimum(np.floor(place).astype(np.int64), rounds - 1)
-            by_round = np.argsort(place, kind="stable")
-            bounds = np.searchsorted(place[by_round], np.arange(rounds + 1))
-            layout = [by_round[bounds[r] : bounds[r + 1]] for r in range(rounds)]
-        else:
-            pool = self.num_clients
-            slots = assignment.assign_virtual_clients(self._keys, pool, assign_salt)
-            if self.client_order == "fixed":
-                order = np.arange(pool)
-            else:
-                order = np.argsort(
-                    assignment.keyed_hash(np.arange(pool, dtype=np.uint64), order_salt)
-                )
-            users_by_slot = np.argsort(slots, kind="stable")
-            slot_bounds = np.searchsorted(slots[users_by_slot], np.arange(pool + 1))
-            layout = (order, users_by_slot, slot_bounds)
-        with self._layout_lock:
-            # Keep two epochs: prefetching threads may straddle a boundary.
-            if len(self._layouts) >= 2:
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[key] = layout
-        return layout
-
-    def _plan_client(self, users, rng):
-        starts = self._user_offsets[users]
-        counts = self._user_offsets[users + 1] - starts
-        quotas = _even_quotas(
-            counts, min(self.max_examples_per_client, counts.sum()), rng
-        )
-        chosen = np.concatenate(
-            [
-                self._examples_by_user[start + rng.choice(count, quota, replace=False)]
-                for start, count, quota in zip(starts, counts, quotas, strict=True)
-            ]
-        )
-        grid = _layout(chosen, self.local_steps, self.batch_size, rng)
-        return ClientPlan(users=users, example_index=grid)
+        return self.planner.plan_round(round_index)
 
     def round(self, round_index):
         """The arrays of one round (see the class docstring)."""
@@ -908,19 +401,21 @@ class VirtualClients(keras.utils.PyDataset):
         every host serves the same round.
         """
         plans = list(self.plan_round(round_index).values())
-        rows = plans[self.host_index :: self.host_count]
+        rows = self.hosts.rows(plans)
         element = self._round_arrays(round_index, rows, self.rows_per_host)
         if self.host_count > 1:
             # On every row: the model checks that all hosts serve one round.
             element["round_index"] = np.full(
-                self.rows_per_host, round_index % _ROUND_INDEX_MODULUS, np.int32
+                self.rows_per_host,
+                round_index % host_rounds.ROUND_INDEX_MODULUS,
+                np.int32,
             )
         return element
 
     @property
     def rows_per_host(self):
         """Client rows of a round that each host builds."""
-        return self.max_clients_per_round // self.host_count
+        return self.hosts.rows_of(self.max_clients_per_round)
 
     def join_hosts(self, hosts):
         """Makes this the slice of one round plan shared by every host.
@@ -947,128 +442,44 @@ class VirtualClients(keras.utils.PyDataset):
         >>> clients.host_count, clients.rows_per_host == clients.max_clients_per_round
         (1, True)
         """
-        self.check_hosts(hosts)
-        if hosts.count > 1 and not self._seed_is_fixed:
-            self._root_seed = hosts.shared_bits(128)
-            with self._layout_lock:
-                self._layouts = {}
-        # The same current epoch everywhere: unchanged where the hosts agree
-        # (fresh clients), else a new one that no host has served.
-        epochs = hosts.gather_ints([self._epoch, self._epochs_claimed])
-        if any(row != epochs[0] for row in epochs):
-            with self._epoch_lock:
-                self._epochs_claimed = max(row[1] for row in epochs)
-            self._epoch = self._claim_epoch()
-        hosts.check_agree({"round plan": self.plan_fingerprint()})
-        self.host_index, self.host_count = hosts.index, hosts.count
+        self.hosts = host_rounds.join_hosts(
+            self.planner, hosts, self._fingerprint_extra()
+        )
 
     def check_hosts(self, hosts):
         """Refuses hosts the rounds' rows do not split over (no collective:
         `FedEmbModel.fit` runs it on each host before `join_hosts`)."""
-        if self.max_clients_per_round % hosts.count:
-            size = -(-self.max_clients_per_round // hosts.count) * hosts.count
-            if self.sampling == "fixed":
-                fix = f"clients_per_round a multiple of {hosts.count}"
-            elif self.sampling == "epochs" and self.users_per_client > 1:
-                fix = (
-                    f"num_clients and rounds_per_epoch such that ceil(P / R) "
-                    f"is a multiple of {hosts.count}"
-                )
-            elif size <= self.num_clients:
-                fix = f"max_clients_per_round={size}"
-            else:  # M_max is at most P.
-                fix = (
-                    f"more virtual clients (num_clients >= {size}), or a number "
-                    f"of hosts that divides {self.max_clients_per_round}"
-                )
-            raise ValueError(
-                f"The rounds hold max_clients_per_round="
-                f"{self.max_clients_per_round} client rows, which do not split "
-                f"over {hosts.count} hosts; build the VirtualClients with "
-                f"{fix}."
-            )
+        host_rounds.check_split(self.planner.settings, hosts)
 
     def plan_fingerprint(self):
         """Bytes that differ between two `VirtualClients` whose rounds may
         differ: the seed, the next epoch, the settings and the user index
         (for `join_hosts`; the seed is in it, so keep it private)."""
-        digest = hashlib.blake2b(digest_size=32)
-        settings = (
-            self._root_seed,
-            self._epochs_claimed,
-            repr(self.schedule),
-            self.max_clients_per_round,
-            self.max_examples_per_client,
-            self.batch_size,
-            self.rounds_per_epoch,
-            self.client_order,
-            self.num_classes,
-            self.image_shape,
-            str(np.dtype(self._images.dtype)),
-        )
-        digest.update(repr(settings).encode())
-        digest.update(np.ascontiguousarray(self._keys).tobytes())
-        digest.update(np.ascontiguousarray(self._user_offsets).tobytes())
-        return digest.digest()
+        return self.planner.fingerprint(self._fingerprint_extra())
+
+    def _fingerprint_extra(self):
+        return (self.num_classes, self.image_shape, str(np.dtype(self._images.dtype)))
 
     def _round_arrays(self, round_index, plans, m):
         """The round's arrays over `m` rows, the first `len(plans)` from
         `plans` (in order) and the rest masked."""
-        s, b = self.local_steps, self.batch_size
-        index = np.full((m, s, b), -1, dtype=np.int64)
-        local = np.zeros((m, s, b), dtype=np.int32)
-        num_local = np.zeros(m, dtype=np.int32)
-        for row, plan in enumerate(plans):
-            grid = plan.example_index
-            index[row] = grid
-            used = grid >= 0
-            classes, local_labels = np.unique(
-                self._labels[grid[used]], return_inverse=True
-            )
-            local[row][used] = local_labels
-            num_local[row] = classes.size
-        example_mask = index >= 0
-        client_mask = np.zeros(m, dtype=bool)
-        client_mask[: len(plans)] = True
-        global_labels = np.where(example_mask, self._labels[np.maximum(index, 0)], 0)
-        element = {
-            "images": self._gather(index, example_mask),
-            "labels": local,
-            "global_labels": global_labels.astype(np.int32),
-            "example_mask": example_mask,
-            "client_mask": client_mask,
-            "num_local_classes": num_local,
-        }
+        grid = (m, self.local_steps, self.batch_size)
+        element = round_arrays(
+            plans, grid, self._images, self._labels, self.image_shape
+        )
         if self.sampling == "epochs":
             # Where the round sits, on every row (rows may be split over
             # devices): the model checks that each of its epochs takes
             # distinct rounds of one epoch layout.
             epoch, position = divmod(round_index, self.rounds_per_epoch)
-            element["epoch_id"] = np.full(m, self._epoch_id(epoch), np.int32)
+            element["epoch_id"] = np.full(m, self.planner.epoch_id(epoch), np.int32)
             element["round_in_epoch"] = np.full(m, position, np.int32)
         return element
-
-    def _gather(self, index, mask):
-        flat_index = index.reshape(-1)
-        flat_mask = mask.reshape(-1)
-        out = np.empty((flat_index.size, *self.image_shape), dtype=self._images.dtype)
-        if isinstance(self._images, np.ndarray):
-            np.take(self._images, np.maximum(flat_index, 0), axis=0, out=out)
-            out[~flat_mask] = 0
-        else:
-            out[...] = 0
-            out[flat_mask] = np.asarray(self._images[flat_index[flat_mask]])
-        return out.reshape(*index.shape, *self.image_shape)
 
     # ------------------------------------------------ keras.utils.PyDataset --
 
     def __len__(self):
         return self.rounds_per_epoch
-
-    def _claim_epoch(self):
-        with self._epoch_lock:
-            self._epochs_claimed += 1
-            return self._epochs_claimed - 1
 
     def _epoch_round(self, epoch, index):
         if not 0 <= index < self.rounds_per_epoch:
@@ -1080,16 +491,16 @@ class VirtualClients(keras.utils.PyDataset):
 
     def __getitem__(self, index):
         """Round `index` of the current Keras epoch (same index, same round)."""
-        return self._epoch_round(self._epoch, index)
+        return self._epoch_round(self.planner.epoch, index)
 
     def __iter__(self):
         """One epoch of rounds that no earlier pass has served."""
-        epoch = self._claim_epoch()
+        epoch = self.planner.claim_epoch()
         for index in range(self.rounds_per_epoch):
             yield self._epoch_round(epoch, index)
 
     def on_epoch_end(self):
-        self._epoch = self._claim_epoch()
+        self.planner.start_epoch()
 
     def to_tf_dataset(self):
         """The rounds as a prefetched `tf.data.Dataset` of dicts.
@@ -1166,70 +577,3 @@ def participation_counts(clients, epoch):
         for plan in clients.plan_round(epoch * rounds + position).values():
             np.add.at(counts, plan.users, 1)
     return {user: int(count) for user, count in enumerate(counts)}
-
-
-def _check_roster(names, roster, source, stacklevel):
-    """Refuses users with examples (sorted unique `names`, from `source`)
-    missing from the `users=` roster; warns of roster users without any."""
-    roster = np.unique(np.asarray(roster))
-    known = np.isin(names, roster)
-    if not known.all():
-        unknown = np.asarray(names[np.flatnonzero(~known)[:3]])
-        raise ValueError(
-            f"{int((~known).sum())} user id(s) in {source} are not in `users` "
-            f"(e.g. {unknown.tolist()}). List every user who has examples in "
-            "`users`."
-        )
-    empty = roster.size - names.size
-    if empty:
-        warnings.warn(
-            f"{empty} of {roster.size} users have no examples and were "
-            f"dropped; {names.size} users remain.",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
-
-
-def _even_quotas(counts, total, rng):
-    """Splits `total` examples between users as evenly as their counts allow."""
-    quotas = np.zeros_like(counts)
-    remaining = int(total)
-    order = np.argsort(counts, kind="stable")
-    for position, user in enumerate(order):
-        share = min(int(counts[user]), remaining // (len(order) - position))
-        quotas[user] = share
-        remaining -= share
-    while remaining > 0:
-        spare = np.flatnonzero(quotas < counts)
-        extra = rng.choice(spare, min(remaining, spare.size), replace=False)
-        quotas[extra] += 1
-        remaining -= extra.size
-    return quotas
-
-
-def _layout(examples, steps, batch_size, rng):
-    """`[steps, batch_size]` example indices: shuffled passes, -1 = empty."""
-    grid = np.full((steps, batch_size), -1, dtype=np.int64)
-    n = examples.size
-    per_step = min(batch_size, n)
-    order, position = rng.permutation(examples), 0
-    for step in range(steps):
-        if position >= n:
-            order, position = rng.permutation(examples), 0
-        take = min(per_step, n - position)
-        grid[step, :take] = order[position : position + take]
-        position += take
-    return grid
-
-
-def _epoch_positions(position, num_clients, rounds):
-    """`[start, stop)`: the positions j with floor(j * R / P) = position."""
-    return (
-        -(-position * num_clients // rounds),
-        -(-(position + 1) * num_clients // rounds),
-    )
-
-
-def _words64(value):
-    value = int(value)
-    return value & 0xFFFFFFFF, value >> 32

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from kdpemb import privacy
-from kdpemb.data import VirtualClients
+from kdpemb.data import VirtualClients, round_plan, round_size
 from kdpemb.data import virtual_clients as vc
 from kdpemb.data.virtual_clients import participation_counts
 from kdpemb.datasets.user_hash import user_keys
@@ -147,7 +147,7 @@ def test_a_pass_over_the_dataset_holds_each_users_examples_in_one_round():
 def test_slot_positions_split_an_epoch_into_rounds_as_floor_j_r_over_p(
     num_clients, rounds
 ):
-    parts = [vc._epoch_positions(r, num_clients, rounds) for r in range(rounds)]
+    parts = [round_plan.epoch_positions(r, num_clients, rounds) for r in range(rounds)]
     for r, (start, stop) in enumerate(parts):
         brute = [j for j in range(num_clients) if j * rounds // num_clients == r]
         assert list(range(start, stop)) == brute
@@ -241,7 +241,7 @@ def test_shuffled_orders_change_every_epoch_and_fixed_orders_repeat(
     if users_per_client > 1:
         # Fixed order: round r holds the slots at positions floor(j R / P) = r.
         for r, members in enumerate(repeated[0]):
-            start, stop = vc._epoch_positions(r, fixed.num_clients, 5)
+            start, stop = round_plan.epoch_positions(r, fixed.num_clients, 5)
             assert set(members) <= set(range(start, stop))
     # The same users in the same rounds, but fresh examples each epoch.
     plans = fixed.plan_round(0)
@@ -271,7 +271,7 @@ def test_single_user_rounds_are_binomial_and_each_users_round_is_uniform():
     # Each user's round is uniform over the 4 rounds.
     assert stats.chisquare(where.ravel(), np.full(160, epochs / 4)).pvalue > 1e-3
     # The bound is the Binomial(N, 1 / R) tail bound with the k = 1 tolerance.
-    assert clients.max_clients_per_round == vc.round_size.max_clients_per_round(
+    assert clients.max_clients_per_round == round_size.max_clients_per_round(
         40, 1 / 4, vc.TRUNCATION_TOLERANCE["data dependent"]
     )
     assert clients.truncation_probability <= 1e-30
