@@ -5,19 +5,13 @@ updates its moving mean and variance from every training batch, without
 clipping or noise, so a backbone that trains BatchNormalization on private
 data releases statistics of that data with no guarantee at all. kdpemb
 refuses such a backbone before training, as Opacus' validators do.
+`input_shape` and `output_dim` read a built backbone's shapes.
 """
 
 import keras
 
 from kdpemb.errors import UnsupportedLayerError
-
-
-def _all_layers(layer):
-    # Keras 3 layers track their sub-layers (Sequential, functional and
-    # subclassed models alike); this walks them depth-first.
-    yield layer
-    for child in getattr(layer, "_layers", []):
-        yield from _all_layers(child)
+from kdpemb.models.layer_taps import all_layers
 
 
 def check_backbone(backbone):
@@ -58,7 +52,7 @@ def check_backbone(backbone):
         )
     offending = [
         layer.name
-        for layer in _all_layers(backbone)
+        for layer in all_layers(backbone)
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
     ]
     if offending:
@@ -75,3 +69,36 @@ def check_backbone(backbone):
             "does the replacement for you (with mode='freeze', the freezing)."
         )
     return backbone
+
+
+def input_shape(backbone):
+    """The built `backbone`'s input shape, or a clear error."""
+    shape = getattr(backbone, "input_shape", None)
+    if shape is None:
+        raise ValueError(
+            "The backbone must be built with a known input shape: create it "
+            "with keras.Input(shape=...) or call backbone.build(...)."
+        )
+    return shape
+
+
+def output_dim(backbone):
+    """D, the width of the built `backbone`'s embeddings `[batch, D]`."""
+    if not backbone.built:
+        raise ValueError(
+            f"The backbone {backbone.name!r} is not built: create it with "
+            "keras.Input(shape=...) or call backbone.build(input_shape) first."
+        )
+    try:
+        shape = backbone.output_shape
+    except (AttributeError, ValueError):
+        spec = backbone.compute_output_spec(
+            keras.KerasTensor(input_shape(backbone), dtype="float32")
+        )
+        shape = spec.shape
+    if len(shape) != 2 or shape[-1] is None:
+        raise ValueError(
+            f"The backbone must map images to embeddings [batch, D]; its output "
+            f"shape is {shape}. End it with pooling or Flatten and a Dense layer."
+        )
+    return int(shape[-1])

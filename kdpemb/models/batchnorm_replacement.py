@@ -17,7 +17,7 @@ import keras
 from keras.src.models.functional import Functional
 
 from kdpemb._validation import check_positive_int
-from kdpemb.models.backbone_checks import _all_layers
+from kdpemb.models.layer_taps import all_layers
 
 MODES = ("group_norm", "freeze")
 
@@ -83,7 +83,7 @@ def replace_batchnorm(model, mode="group_norm", groups=32):
             f"model must be a keras.Model (or layer), got {type(model).__name__}."
         )
     if mode == "freeze":
-        for layer in _all_layers(model):
+        for layer in all_layers(model):
             if isinstance(layer, keras.layers.BatchNormalization):
                 layer.trainable = False
         return model
@@ -179,7 +179,7 @@ class _Rebuild:
             new = self.group_norm(layer)
             self.pairs.append((layer, new))
         else:
-            for inner in _all_layers(layer):
+            for inner in all_layers(layer):
                 if isinstance(inner, keras.layers.BatchNormalization):
                     raise TypeError(_cannot_rebuild(layer, inside=inner.name))
             new = layer.__class__.from_config(layer.get_config())

@@ -10,7 +10,7 @@ import keras
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb.models import backbone_checks, fedemb, heads
+from kdpemb.models import backbone_checks, heads
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
@@ -63,7 +63,7 @@ class CentralizedBaseline(keras.Model):
             )
         else:
             self.classifier = keras.layers.Dense(self.num_classes, name="classifier")
-        self.classifier.build((None, fedemb._output_dim(backbone)))
+        self.classifier.build((None, backbone_checks.output_dim(backbone)))
         self.built = True
 
     def call(self, images, training=False):

@@ -96,7 +96,8 @@ def client_update_norms(model, public_clients, rounds=None):
         float64 array of norms, one per sampled client.
     """
     from kdpemb.data import VirtualClients
-    from kdpemb.models.fedemb import FedEmbModel, _check_round
+    from kdpemb.models import fedemb_checks, fedemb_step
+    from kdpemb.models.fedemb import FedEmbModel
 
     if not isinstance(model, FedEmbModel):
         raise TypeError(
@@ -115,10 +116,10 @@ def client_update_norms(model, public_clients, rounds=None):
     update_norm = None
     for data in source:
         steps = np.shape(data["images"])[1]
-        data = _check_round(data, steps)
+        data = fedemb_checks.check_round(data, steps)
         data = {key: ops.convert_to_tensor(value) for key, value in data.items()}
-        trainer, theta, non_trainable, heads, data = model._round_inputs(
-            data, steps, columns
+        trainer, theta, non_trainable, heads, data = fedemb_step.round_inputs(
+            model, data, steps, columns
         )
         if update_norm is None:  # One trainer (and one compilation) for all.
             update_norm = _compiled_update_norm(trainer)

@@ -45,3 +45,9 @@ class FrozenSettings:
                 "value, then copy the weights)."
             )
         super().__setattr__(name, value)
+
+
+def settings_unfrozen(model):
+    """`with settings_unfrozen(model):` lets the model's own modules (e.g.
+    its privacy plan) set its frozen settings."""
+    return model._settings_unfrozen()

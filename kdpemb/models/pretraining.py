@@ -13,7 +13,7 @@ import numpy as np
 
 from kdpemb import _validation as checks
 from kdpemb.datasets.user_images import UserImages
-from kdpemb.models import backbone_checks, fedemb, heads
+from kdpemb.models import backbone_checks, heads
 from kdpemb.models.centralized import CentralizedBaseline
 
 
@@ -133,7 +133,7 @@ def _public_arrays(backbone, data, name):
             f"{type(data).__name__}."
         )
     images = np.asarray(images)
-    expected = tuple(fedemb._input_shape(backbone)[1:])
+    expected = tuple(backbone_checks.input_shape(backbone)[1:])
     if images.ndim != 4 or tuple(images.shape[1:]) != expected:
         raise ValueError(
             f"{name}'s images have shape {images.shape}, but the backbone takes "
