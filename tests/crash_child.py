@@ -123,7 +123,7 @@ def fedemb_fit(fit_callbacks):
         """Records which round of which of its epochs Keras reads."""
 
         def __getitem__(self, index):
-            served.append([self._epoch, index])
+            served.append([self.planner.epoch, index])
             return super().__getitem__(index)
 
     rng = np.random.default_rng(0)

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from kdpemb import privacy
 from kdpemb.callbacks import PrivacyBudget, RecallAtFAR
 from kdpemb.data import PoissonBatches, PoissonIndices, VirtualClients
+from kdpemb.data.round_plan import RoundPlanner
 from kdpemb.metrics import recall_at_far
 from kdpemb.models import DPModel, FedEmbModel, LastLayerDPClassifier
 from kdpemb.privacy import accountant as accountant_lib
@@ -778,8 +779,9 @@ def test_virtual_clients_good(data):
     # A round is drawn from its own random streams, whatever its index (not
     # by replaying the rounds before it): its sample's (or its epoch's layout
     # and the epoch's identity: two), and one for each client it holds.
-    with at_most(2 + clients.max_clients_per_round, VirtualClients, "_rng"):
+    with at_most(2 + clients.max_clients_per_round, RoundPlanner, "rng") as drawn:
         element = clients.round(index)
+    assert drawn[0] >= 1  # The spy sees the streams the round draws from.
     assert element["images"].shape[1:3] == (kwargs["local_steps"], kwargs["batch_size"])
     assert element["client_mask"].sum() <= clients.max_clients_per_round
 

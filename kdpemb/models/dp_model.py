@@ -358,13 +358,7 @@ class DPModel(FrozenSettings, keras.Model):
 
     def _schedule_for(self, num_examples, batch_size):
         """Steps per epoch, and the schedule (checked against a saved one)."""
-        if batch_size is not None:
-            batch_size = validation.check_positive_int(batch_size, "batch_size")
-            if batch_size > num_examples:
-                raise ValueError(
-                    f"batch_size={batch_size} exceeds the {num_examples} examples; "
-                    "use batch_size=None for full-batch steps."
-                )
+        batch_size, steps = privacy_plan.example_batches(num_examples, batch_size)
         if self.delta is not None:
             validation.check_delta(self.delta, num_examples, "example")
         schedule = privacy.Schedule.examples(
@@ -377,7 +371,6 @@ class DPModel(FrozenSettings, keras.Model):
                 "counted. Keep the number of examples and the batch size, or "
                 "start a new DPModel."
             )
-        steps = 1 if batch_size is None else max(1, round(num_examples / batch_size))
         return steps, schedule
 
     def _plan_gradients(self, x, y, verbose):

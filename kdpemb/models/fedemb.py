@@ -20,12 +20,12 @@ from kdpemb.models import (
     fedemb_step,
     heads,
 )
-from kdpemb.models.fedemb_config import AGGREGATIONS, HEAD_INITS
+from kdpemb.models.fedemb_config import AGGREGATIONS, HEAD_INITS  # noqa: F401
 from kdpemb.models.frozen_settings import FrozenSettings
 from kdpemb.models.optimizer_restore import RestoresOptimizer
 from kdpemb.privacy import protocol
 
-__all__ = ["AGGREGATIONS", "HEAD_INITS", "FedEmbModel"]
+__all__ = ["FedEmbModel"]
 
 _FROZEN_SETTINGS = frozenset(
     {

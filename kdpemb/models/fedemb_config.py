@@ -189,7 +189,12 @@ def construct(
             model, "current_clip_norm", initializer=model.clip_norm
         )
         names += ("count_seed",)  # The count's noise: its own stream.
-    generators = private_state.noise_seed_generators(seed, names, "FedEmbModel")
+    generators = private_state.noise_seed_generators(
+        seed,
+        names,
+        "FedEmbModel",
+        stacklevel=4,  # Through `construct`.
+    )
     model.noise_seed, model.head_seed = generators[:2]
     if model.adaptive_clipping is not None:
         model.count_seed = generators[2]

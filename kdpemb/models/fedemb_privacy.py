@@ -11,8 +11,7 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models import fedemb_checks, privacy_plan, private_state
-from kdpemb.models.frozen_settings import settings_unfrozen
+from kdpemb.models import fedemb_checks, frozen_settings, privacy_plan, private_state
 from kdpemb.privacy import protocol, tree_noise
 
 
@@ -254,10 +253,9 @@ def plan_budget(model, steps, verbose):
             "or build a new FedEmbModel with a larger planned_steps."
         )
     model._given_planned_steps = model.planned_steps
-    with settings_unfrozen(model):
-        model.planned_steps = planned
-        model.calibrated_noise_multiplier = z
-        model.noise_multiplier = z
+    frozen_settings.adopt_plan(
+        model, planned_steps=planned, calibrated_noise_multiplier=z, noise_multiplier=z
+    )
     model._plan_checked = True
     return True
 
@@ -265,10 +263,12 @@ def plan_budget(model, steps, verbose):
 def forget_plan(model):
     """Undoes this fit's calibration: a callback restored rounds that
     were taken at a noise this model does not know."""
-    with settings_unfrozen(model):
-        model.planned_steps = model._given_planned_steps
-        model.calibrated_noise_multiplier = None
-        model.noise_multiplier = None
+    frozen_settings.adopt_plan(
+        model,
+        planned_steps=model._given_planned_steps,
+        calibrated_noise_multiplier=None,
+        noise_multiplier=None,
+    )
     model._plan_checked = False
     model.train_function = None
 

@@ -28,13 +28,6 @@ class FrozenSettings:
         finally:
             object.__setattr__(self, "_settings_frozen", True)
 
-    def adopt_settings(self, **values):
-        """Sets frozen settings from the model's own checked plan (what a
-        `fit` calibrated, or undoes): for kdpemb's trainers, not users."""
-        with self._settings_unfrozen():
-            for name, value in values.items():
-                setattr(self, name, value)
-
     def __setattr__(self, name, value):
         if name in self._FROZEN_SETTINGS and getattr(self, "_settings_frozen", False):
             cls = type(self).__name__
@@ -47,7 +40,18 @@ class FrozenSettings:
         super().__setattr__(name, value)
 
 
-def settings_unfrozen(model):
-    """`with settings_unfrozen(model):` lets the model's own modules (e.g.
-    its privacy plan) set its frozen settings."""
-    return model._settings_unfrozen()
+# The settings a trainer's own `fit` may fix (its target-ε plan) or undo.
+PLAN_SETTINGS = frozenset(
+    {"schedule", "planned_steps", "calibrated_noise_multiplier", "noise_multiplier"}
+)
+
+
+def adopt_plan(model, **values):
+    """Sets `model`'s plan settings (`PLAN_SETTINGS` only) from the plan its
+    own `fit` checked, calibrated or undoes: for kdpemb's trainers."""
+    unknown = sorted(set(values) - PLAN_SETTINGS)
+    if unknown:
+        raise ValueError(f"{unknown} are not plan settings; they stay fixed.")
+    with model._settings_unfrozen():
+        for name, value in values.items():
+            setattr(model, name, value)

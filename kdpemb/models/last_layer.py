@@ -28,6 +28,7 @@ from kdpemb import _validation as validation
 from kdpemb.models import (
     backends,
     device_checks,
+    frozen_settings,
     last_layer_inputs,
     last_layer_plan,
     privacy_plan,
@@ -328,14 +329,13 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
     def _adopt_plan(self, plan):
         """Fixes the first fit's plan (set once, after the fit is accepted)."""
-        with self._settings_unfrozen():
-            (
-                self.schedule,
-                self.planned_steps,
-                self.calibrated_noise_multiplier,
-            ) = plan
-            if self.target_epsilon is not None:
-                self.noise_multiplier = self.calibrated_noise_multiplier
+        schedule, planned, calibrated = plan
+        frozen_settings.adopt_plan(self,
+            schedule=schedule, planned_steps=planned,
+            calibrated_noise_multiplier=calibrated,
+        )  # fmt: skip
+        if self.target_epsilon is not None:
+            frozen_settings.adopt_plan(self, noise_multiplier=calibrated)
 
     # ------------------------------------------------------- training --
 

@@ -15,6 +15,7 @@ Example:
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.models import privacy_plan
 from kdpemb.privacy import protocol
 
 
@@ -31,16 +32,7 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs):
             f"{model.method} uses all the data at every step: fit it with "
             "batch_size=None."
         )
-    if batch_size is not None:
-        batch_size = validation.check_positive_int(batch_size, "batch_size")
-        if batch_size > num_examples:
-            raise ValueError(
-                f"batch_size={batch_size} exceeds the {num_examples} examples; "
-                "use batch_size=None for full-batch steps."
-            )
-    steps_per_epoch = (
-        1 if batch_size is None else max(1, round(num_examples / batch_size))
-    )
+    batch_size, steps_per_epoch = privacy_plan.example_batches(num_examples, batch_size)
     if model.schedule is not None:
         trained_batch = (
             None

@@ -34,6 +34,7 @@ import keras
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
+from kdpemb.models import frozen_settings
 from kdpemb.privacy import protocol
 
 
@@ -106,6 +107,25 @@ def refuse_fit_arguments(kwargs, names, owner):
                 "example's contribution or the sampling that the privacy "
                 "accounting assumes."
             )
+
+
+def example_batches(num_examples, batch_size):
+    """`(batch_size, steps per epoch)` of a fit over `num_examples` with an
+    expected batch of `batch_size` (None: every example at every step, one
+    step an epoch); an epoch is round(N / B) steps.
+
+    >>> example_batches(100, 30)
+    (30, 3)
+    """
+    if batch_size is None:
+        return None, 1
+    batch_size = validation.check_positive_int(batch_size, "batch_size")
+    if batch_size > num_examples:
+        raise ValueError(
+            f"batch_size={batch_size} exceeds the {num_examples} examples; "
+            "use batch_size=None for full-batch steps."
+        )
+    return batch_size, max(1, round(num_examples / batch_size))
 
 
 def fit_arguments(args, kwargs):
@@ -248,12 +268,15 @@ def plan_steps(model, schedule, steps, verbose, unit_mechanism):
         z = calibrate(
             unit_mechanism, planned, model.target_epsilon, model.delta, verbose, cls
         )
-        model.adopt_settings(
-            planned_steps=planned, calibrated_noise_multiplier=z, noise_multiplier=z
+        frozen_settings.adopt_plan(
+            model,
+            planned_steps=planned,
+            calibrated_noise_multiplier=z,
+            noise_multiplier=z,
         )
         calibrated = True
     if model.schedule is None:
-        model.adopt_settings(schedule=schedule)
+        frozen_settings.adopt_plan(model, schedule=schedule)
     if model.target_epsilon is not None:
         if not calibrated:
             check_plan(model)
@@ -264,7 +287,8 @@ def plan_steps(model, schedule, steps, verbose, unit_mechanism):
 def forget_plan(model):
     """Undoes what `plan_steps` calibrated and adopted at a fit that is
     then refused (a callback restored steps taken at an unknown noise)."""
-    model.adopt_settings(
+    frozen_settings.adopt_plan(
+        model,
         planned_steps=None,
         calibrated_noise_multiplier=None,
         noise_multiplier=None,

@@ -63,7 +63,7 @@ def add_private_steps(model):
     return add_state(model, "private_steps", dtype="int32")
 
 
-def noise_seed_generators(seed, names, owner):
+def noise_seed_generators(seed, names, owner, stacklevel=3):
     """One `SeedGenerator` per name, filled from OS entropy unless `seed` is set.
 
     Args:
@@ -72,6 +72,8 @@ def noise_seed_generators(seed, names, owner):
             `seed + i` and warns: tests only.
         names: sequence of str. The generators' names.
         owner: str. The model's name, for the warning.
+        stacklevel: int. Of the warning: 3 points at the line that built a
+            model whose `__init__` calls this; one more per helper between.
 
     Returns:
         list of `keras.random.SeedGenerator`, the same on every host of a
@@ -84,7 +86,7 @@ def noise_seed_generators(seed, names, owner):
             "who knows the seed can predict them, and the guarantee is void. "
             "Use seed=None for a model you release.",
             ReproducibleNoiseWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     generators = [
         keras.random.SeedGenerator(0 if seed is None else int(seed) + index, name=name)

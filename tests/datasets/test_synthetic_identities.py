@@ -5,6 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from kdpemb.datasets.identity_renderer import IdentityRenderer
 from kdpemb.datasets.synthetic_identities import SyntheticImages, synthetic_identities
 from kdpemb.datasets.user_images import UserImages
 
@@ -142,13 +143,13 @@ def test_array_protocol_casts_and_refuses_copy_false():
 def test_a_million_identities_are_lazy(monkeypatch):
     # The work is counted, not timed: the images rendered.
     rendered = []
-    render = SyntheticImages._render_chunk
+    render = IdentityRenderer.render
 
-    def counted(self, index, out, workspace):
-        rendered.append(index.size)
-        return render(self, index, out, workspace)
+    def counted(self, identity, within, chunk_size):
+        rendered.append(np.size(identity))
+        return render(self, identity, within, chunk_size)
 
-    monkeypatch.setattr(SyntheticImages, "_render_chunk", counted)
+    monkeypatch.setattr(IdentityRenderer, "render", counted)
     tracemalloc.start()
     try:
         images = SyntheticImages(1_000_000, 10, image_size=32, channels=3)

@@ -763,3 +763,21 @@ def test_images_the_backbone_was_not_built_for_are_refused_before_any_round(sour
         client_optimizer=0.1, clip_norm=0.5, noise_multiplier=4.0, seed=0,
     )  # fmt: skip
     fine._check_clients(clients)
+
+
+def test_a_fixed_seed_warns_at_the_line_that_built_the_model():
+    with pytest.warns(ReproducibleNoiseWarning) as record:
+        FedEmbModel(ref.linear_backbone(), noise_multiplier=1.0, seed=1)
+    ours = [w for w in record if w.category is ReproducibleNoiseWarning]
+    assert [w.filename for w in ours] == [__file__]
+
+
+def test_only_the_plan_settings_may_be_adopted_after_construction():
+    from kdpemb.models import frozen_settings
+
+    model = FedEmbModel(ref.linear_backbone(), noise_multiplier=1.0)
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        model.noise_multiplier = 2.0
+    with pytest.raises(ValueError, match="clip_norm"):
+        frozen_settings.adopt_plan(model, clip_norm=2.0)
+    assert model.clip_norm == 1.0 and model.noise_multiplier == 1.0
