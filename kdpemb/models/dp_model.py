@@ -34,6 +34,7 @@ from kdpemb.models.clipped_gradients import (
     plan_gradients,
 )
 from kdpemb.models.frozen_settings import FrozenSettings
+from kdpemb.models.layer_taps import all_layers
 from kdpemb.privacy import gaussian_sum, protocol
 
 SAMPLINGS = ("poisson", "fixed")
@@ -307,7 +308,6 @@ class DPModel(FrozenSettings, keras.Model):
         calibrated = privacy_plan.plan_steps(
             self, schedule, steps_of(initial_epoch), privacy_plan.is_verbose(
                 {"verbose": verbose, "callbacks": callbacks}),
-            schedule.privacy_mechanism(1.0, self.clip_norm),
         )  # fmt: skip
         guard = privacy_plan.PlanGuard(
             steps_of,
@@ -531,8 +531,6 @@ def _check_network(network):
     """Refuses, before any step, layers that would break the per-example
     bound or be left out of it: trainable BatchNormalization, activity
     regularizers, mixed precision."""
-    from kdpemb.models.layer_taps import all_layers
-
     backbone_checks.check_backbone(network)
     layers = all_layers(network)
     names = [
@@ -581,8 +579,6 @@ def synthetic_inputs(x, network, aliases=True):
         return rng.normal(size=shape).astype(dtype)
     if not np.issubdtype(dtype, np.integer):  # bool
         return rng.integers(0, 2, size=shape).astype(dtype)
-    from kdpemb.models.layer_taps import all_layers
-
     tables = [
         int(layer.embeddings.shape[0])
         for layer in all_layers(network)

@@ -236,13 +236,13 @@ DEFAULT_REMEDY = (
 )
 
 
-def plan_steps(model, schedule, steps, verbose, unit_mechanism):
+def plan_steps(model, schedule, steps, verbose):
     """The target-ε flow of a model whose schedule comes from its first
     `fit` (`DPModel`): adopts `schedule`; with a `target_epsilon`,
     calibrates the noise once (over `planned_steps`, or this fit's
-    `steps`) on `unit_mechanism` (the schedule's mechanism at noise
-    multiplier 1), and refuses, before any step, a fit that would go past
-    the plan. Returns whether this call calibrated.
+    `steps`) on the schedule's mechanism at noise multiplier 1 and the
+    model's `clip_norm`, and refuses, before any step, a fit that would go
+    past the plan. Returns whether this call calibrated.
 
     A model that has taken steps but holds no schedule (its weights loaded
     into a new model) is refused: its ε could not be stated.
@@ -265,6 +265,7 @@ def plan_steps(model, schedule, steps, verbose, unit_mechanism):
                 f"spent over. Fit fewer epochs, or build the {cls} with a "
                 "larger planned_steps."
             )
+        unit_mechanism = schedule.privacy_mechanism(1.0, model.clip_norm)
         z = calibrate(
             unit_mechanism, planned, model.target_epsilon, model.delta, verbose, cls
         )

@@ -212,7 +212,7 @@ class DeploymentStatement:
             f"multiplier {run.noise_multiplier:.4g} and "
             f"{_count(run.clients_per_round)} clients per round over "
             f"{run.population:,} {unit}s (same mean-update noise z·C/M). The "
-            f"deployment would satisfy: {deployment._guarantee_summary()} This "
+            f"deployment would satisfy: {deployment.guarantee_summary()} This "
             f"run's own guarantee: {run.describe_epsilon(deployment.delta)}."
         )
 
@@ -226,7 +226,7 @@ class DeploymentStatement:
             ),
             *[
                 (f"{field} (deployment)", value)
-                for field, value in self.deployment._guarantee_rows()
+                for field, value in self.deployment.guarantee_rows()
             ],
             (
                 "clients per round (deployment)",
@@ -270,7 +270,7 @@ class DeploymentStatement:
                 "PrivacyStatement.from_dict."
             )
         return cls(
-            deployment=PrivacyStatement._build(data["deployment"], simulated=True),
+            deployment=PrivacyStatement.from_fields(data["deployment"], simulated=True),
             scale=data["scale"],
             deployment_clients_per_round=data["deployment_clients_per_round"],
             run=RunDescription.from_dict(data["run"]),

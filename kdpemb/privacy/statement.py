@@ -144,10 +144,10 @@ class PrivacyStatement:
         with "SIMULATED DEPLOYMENT (NOT this run's guarantee)" when
         `simulated`)."""
         if self.simulated:
-            return f"{SIMULATED_LABEL}: {self._guarantee_summary()}"
-        return self._guarantee_summary()
+            return f"{SIMULATED_LABEL}: {self.guarantee_summary()}"
+        return self.guarantee_summary()
 
-    def _guarantee_summary(self):
+    def guarantee_summary(self):
         """`summary` without the simulated-deployment label (for a
         `DeploymentStatement`, which labels it itself)."""
         if self.is_private:
@@ -209,12 +209,13 @@ class PrivacyStatement:
                 f"This dict has kind={kind!r}; a PrivacyStatement dict has no "
                 "'kind' (it comes from PrivacyStatement.to_dict)."
             )
-        return cls._build(data, simulated=False)
+        return cls.from_fields(data, simulated=False)
 
     @classmethod
-    def _build(cls, data, *, simulated):
-        """The statement of `data` (a `to_dict`), as a run's or as a
-        simulated deployment's (`DeploymentStatement.from_dict`)."""
+    def from_fields(cls, data, *, simulated):
+        """The statement of `data` (a `to_dict`, with or without its
+        "simulated" entry) marked `simulated` as given: `from_dict` reads a
+        run's; `DeploymentStatement.from_dict` reads its deployment's."""
         data = dict(data)
         data.pop("simulated", None)
         if data.get("epsilon") is None:
@@ -236,9 +237,9 @@ class PrivacyStatement:
         """(field, value) pairs for display; a simulated deployment's open
         with ("statement of", "SIMULATED DEPLOYMENT ...")."""
         marker = [("statement of", SIMULATED_LABEL)] if self.simulated else []
-        return marker + self._guarantee_rows()
+        return marker + self.guarantee_rows()
 
-    def _guarantee_rows(self):
+    def guarantee_rows(self):
         """`rows` without the simulated-deployment row (for a
         `DeploymentStatement`, which labels its rows itself)."""
         epsilon = f"{self.epsilon:.4g}" if self.is_private else "∞ (no privacy)"
