@@ -400,7 +400,7 @@ def logistic_optimum(train, evaluation, l2):
     """
     from sklearn.linear_model import LogisticRegression
 
-    from kdpemb.models.last_layer_stats import clip_rows
+    from kdpemb.models.last_layer.last_layer_stats import clip_rows
 
     x, y = train
     model = LogisticRegression(

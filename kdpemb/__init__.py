@@ -14,10 +14,12 @@ Example:
 
 import importlib
 
+from kdpemb import _moved
 from kdpemb._backend import check_supported_backend
 from kdpemb.version import __version__
 
 check_supported_backend()
+_moved.install()  # Old import paths, for one release (kdpemb._moved).
 
 _SUBMODULES = (
     "callbacks",

@@ -191,7 +191,7 @@ class DegenerateFeaturesWarning(UserWarning):
 
     >>> import warnings
     >>> import numpy as np
-    >>> from kdpemb.models.last_layer_inputs import warn_if_degenerate
+    >>> from kdpemb.models.last_layer.last_layer_inputs import warn_if_degenerate
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     warn_if_degenerate(np.zeros((4, 3)), 1.0, "clip_norm")

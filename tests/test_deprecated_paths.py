@@ -1,16 +1,18 @@
 """Old import paths of the modules that moved keep working for one release:
 each warns `DeprecationWarning` once, at the caller, and gives the new
-object."""
+object (the same object, so patching the new module patches the old path)."""
 
 import importlib
+import subprocess
+import sys
 import warnings
 
 import pytest
 
+from kdpemb._moved import MOVED_MODULES, OldPathFinder
+
 SHARDS = "kdpemb.datasets.user_shards"
-MOVED = [
-    ("kdpemb.data.inputs", "model_input_shape", "kdpemb.datasets.inputs"),
-    ("kdpemb.data.sources", "open_source", "kdpemb.datasets.sources"),
+MOVED_NAMES = [
     ("kdpemb.data.assignment", "mix64", "kdpemb.datasets.user_hash"),
     ("kdpemb.privacy.mechanisms", "dp_sgd", "kdpemb.privacy.mechanism_builders"),
     ("kdpemb.privacy.mechanisms", "GaussianRelease", "kdpemb.privacy.gaussian_release"),
@@ -19,14 +21,63 @@ MOVED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("old", "name", "new"), MOVED)
-def test_an_old_path_warns_once_and_gives_the_new_object(old, name, new):
-    module = importlib.import_module(old)
+def a_public_name(module_name):
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None) or [
+        n for n in vars(module) if not n.startswith("_")
+    ]
+    return sorted(names)[0]
+
+
+MOVED = MOVED_NAMES + [
+    (old, a_public_name(new), new) for old, new in sorted(MOVED_MODULES.items())
+]
+
+
+def read_with_warnings(module, name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = getattr(module, name)
-    deprecations = [w for w in caught if w.category is DeprecationWarning]
-    assert len(deprecations) == 1, [str(w.message) for w in caught]
-    assert new in str(deprecations[0].message)
+    return value, [w for w in caught if w.category is DeprecationWarning]
+
+
+@pytest.mark.parametrize(("old", "name", "new"), MOVED)
+def test_an_old_path_warns_once_and_gives_the_new_object(old, name, new):
+    module = importlib.import_module(old)
+    value, deprecations = read_with_warnings(module, name)
+    assert len(deprecations) == 1, [str(w.message) for w in deprecations]
+    assert f"{new}.{name}" in str(deprecations[0].message)
     assert deprecations[0].filename == __file__
     assert value is getattr(importlib.import_module(new), name)
+
+
+def test_from_import_of_an_old_package_warns_once_at_the_caller():
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "from kdpemb.models.backends import current\n"
+        "from kdpemb.models._shared import backends\n"
+        "assert current is backends.current\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [
+        line for line in result.stderr.splitlines() if "DeprecationWarning" in line
+    ]
+    assert len(lines) == 1 and lines[0].startswith("<string>:2:"), result.stderr
+
+
+def test_an_old_path_refuses_a_name_the_new_module_lacks():
+    module = importlib.import_module("kdpemb.models.dp_model")
+    with pytest.raises(AttributeError, match="no_such_name"):
+        module.no_such_name  # noqa: B018
+    with pytest.raises(AttributeError, match="no_such_name"):
+        importlib.import_module("kdpemb.datasets.user_shards").no_such_name  # noqa: B018
+
+
+def test_every_old_path_is_served_by_the_finder_and_every_new_path_exists():
+    for old, new in MOVED_MODULES.items():
+        assert importlib.util.find_spec(new) is not None, new
+        # No file is left at an old path (it would hide the redirect).
+        assert isinstance(importlib.util.find_spec(old).loader, OldPathFinder), old

@@ -15,9 +15,9 @@ P = ceil(N / k) clients, a client holds about Poisson(k) users. The keys
 are `kdpemb.datasets.user_hash.user_keys`.
 """
 
-import warnings
-
 import numpy as np
+
+from kdpemb._moved import moved_names
 
 # Still read here by `VirtualClients` (kdpemb.data.virtual_clients); the
 # keys belong to `kdpemb.datasets.user_hash`, with the user-shards format.
@@ -56,15 +56,5 @@ def hash_uniform(keys, salt):
     return (keyed_hash(keys, salt) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def __getattr__(name):  # Moved in 0.x (issue 32); the old path goes next.
-    if name == "mix64":
-        warnings.warn(
-            "kdpemb.data.assignment.mix64 is now kdpemb.datasets.user_hash.mix64; "
-            "the old path goes in the next release.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from kdpemb.datasets import user_hash
-
-        return user_hash.mix64
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Moved in 0.x (issue 32); the old path goes next.
+__getattr__ = moved_names(__name__, {"mix64": "kdpemb.datasets.user_hash"})

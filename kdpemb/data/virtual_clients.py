@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 from kdpemb import _validation as validation
-from kdpemb.data import host_rounds, sources
+from kdpemb.data import host_rounds
 from kdpemb.data.round_arrays import POSITION_KEYS, element_spec, round_arrays
 
 # ClientPlan and the two bounds were defined here before the planner moved
@@ -24,6 +24,8 @@ from kdpemb.data.round_settings import MAX_ROUNDS_PER_EPOCH as MAX_ROUNDS_PER_EP
 from kdpemb.data.round_settings import TRUNCATION_TOLERANCE as TRUNCATION_TOLERANCE
 from kdpemb.data.round_settings import RoundSettings
 from kdpemb.data.user_index import index_users
+from kdpemb.datasets import sources as user_sources
+from kdpemb.datasets.user_shards_reader import UserShards
 
 
 def _planned(name, doc):
@@ -221,7 +223,7 @@ class VirtualClients(keras.utils.PyDataset):
         workers = validation.check_positive_int(workers, "workers")
         max_queue_size = validation.check_positive_int(max_queue_size, "max_queue_size")
         super().__init__(workers=workers, max_queue_size=max_queue_size)
-        images, labels, user_ids, num_classes = sources.read_source(
+        images, labels, user_ids, num_classes = read_source(
             images, labels, user_ids, num_classes=num_classes
         )
         self._images = images
@@ -577,3 +579,56 @@ def participation_counts(clients, epoch):
         for plan in clients.plan_round(epoch * rounds + position).values():
             np.add.at(counts, plan.users, 1)
     return {user: int(count) for user, count in enumerate(counts)}
+
+
+_SCAN_CHUNK = 4096
+
+
+def read_source(images, labels=None, user_ids=None, *, num_classes=None):
+    """Returns checked `(images, labels, user_ids, num_classes)`.
+
+    `images` keeps its type when it is a NumPy array or a lazy array-like,
+    so a large synthetic dataset is never materialised here. For a
+    `UserShards` the images and labels are its lazy arrays and `user_ids`
+    is the `UserShards` itself: its examples are already grouped by user
+    and were checked when written, so nothing is scanned here.
+
+    Example:
+
+    >>> import numpy as np
+    >>> images, labels, user_ids, num_classes = read_source(
+    ...     np.zeros((4, 2, 2, 1), np.uint8), [0, 1, 1, 0], [7, 7, 8, 8])
+    >>> images.shape, labels.tolist(), user_ids.tolist(), num_classes
+    ((4, 2, 2, 1), [0, 1, 1, 0], [7, 7, 8, 8], 2)
+    """
+    if isinstance(images, UserShards):
+        return _read_shards(images, labels, user_ids, num_classes)
+    source = user_sources.open_source(images, labels, user_ids)
+    images, labels, user_ids, _ = source.arrays()
+    user_sources.check_image_shape(images.shape)
+    if np.dtype(images.dtype).kind == "f":
+        for start in range(0, len(images), _SCAN_CHUNK):
+            user_sources.check_finite(images[start : start + _SCAN_CHUNK], first=start)
+    labels, num_classes = user_sources.check_labels(labels, len(images), num_classes)
+    user_ids = user_sources.check_user_ids(user_ids, len(images))
+    return images, labels, user_ids, num_classes
+
+
+def _read_shards(shards, labels, user_ids, num_classes):
+    if labels is not None or user_ids is not None:
+        raise ValueError(
+            "Pass either a UserShards or (images, labels, user_ids), not both: "
+            "a UserShards already carries labels and user ids."
+        )
+    if num_classes is None:
+        num_classes = shards.num_classes
+    else:
+        num_classes = validation.check_positive_int(num_classes, "num_classes")
+        if num_classes <= shards.max_label:
+            raise ValueError(
+                f"num_classes={num_classes}, but the labels of {shards.directory} "
+                f"go up to {shards.max_label}. Use num_classes >= "
+                f"{shards.max_label + 1}, or leave it None "
+                f"({shards.num_classes}, as written)."
+            )
+    return shards.images, shards.labels, shards, num_classes

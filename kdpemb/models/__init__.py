@@ -20,11 +20,14 @@ from kdpemb.models.backbones import resnet_gn, small_cnn
 from kdpemb.models.batchnorm_replacement import replace_batchnorm
 from kdpemb.models.centralized import CentralizedBaseline
 from kdpemb.models.clip_suggestions import suggest_clip_norm, suggest_feature_clip_norm
-from kdpemb.models.dp_model import DPModel
-from kdpemb.models.dp_sgd_head import dense_gradient_norms
+from kdpemb.models.dp_sgd import DPModel
 from kdpemb.models.fedemb import FedEmbModel
 from kdpemb.models.heads import CosineHead
-from kdpemb.models.last_layer import ClipFeatures, LastLayerDPClassifier
+from kdpemb.models.last_layer import (
+    ClipFeatures,
+    LastLayerDPClassifier,
+    dense_gradient_norms,
+)
 from kdpemb.models.pretraining import pretrain
 
 __all__ = [

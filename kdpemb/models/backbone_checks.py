@@ -11,7 +11,7 @@ refuses such a backbone before training, as Opacus' validators do.
 import keras
 
 from kdpemb.errors import UnsupportedLayerError
-from kdpemb.models.layer_taps import all_layers
+from kdpemb.models._shared.layer_taps import all_layers
 
 
 def check_backbone(backbone):

@@ -17,7 +17,7 @@ import keras
 from keras.src.models.functional import Functional
 
 from kdpemb._validation import check_positive_int
-from kdpemb.models.layer_taps import all_layers
+from kdpemb.models._shared.layer_taps import all_layers
 
 MODES = ("group_norm", "freeze")
 

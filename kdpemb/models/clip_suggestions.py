@@ -96,8 +96,7 @@ def client_update_norms(model, public_clients, rounds=None):
         float64 array of norms, one per sampled client.
     """
     from kdpemb.data import VirtualClients
-    from kdpemb.models import fedemb_checks, fedemb_step
-    from kdpemb.models.fedemb import FedEmbModel
+    from kdpemb.models.fedemb import FedEmbModel, fedemb_checks, fedemb_step
 
     if not isinstance(model, FedEmbModel):
         raise TypeError(

@@ -332,7 +332,7 @@ def gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
 
     `add_gaussian_noise` adds them to the sum. A trainer whose replicas
     each hold part of the sum uses this directly, so that exactly one
-    replica contributes the noise (`kdpemb.models.backends`).
+    replica contributes the noise (`kdpemb.models._shared.backends`).
 
     Args: as `add_gaussian_noise`.
 

@@ -23,6 +23,7 @@ import warnings
 import dp_accounting as dpa
 
 from kdpemb import _validation as validation
+from kdpemb._moved import moved_names
 from kdpemb.errors import SmallPopulationWarning
 from kdpemb.privacy import gaussian_release
 
@@ -738,27 +739,16 @@ def tree_depth(steps):
 # Moved in 0.x (issue 32): the builders to `kdpemb.privacy.mechanism_builders`
 # and `GaussianRelease` to `kdpemb.privacy.gaussian_release`; their old paths
 # here work, with a DeprecationWarning, for one release.
-_MOVED = {
-    "GaussianRelease": "kdpemb.privacy.gaussian_release",
-    "effective_noise_multiplier": "kdpemb.privacy.gaussian_release",
-    "dp_sgd": "kdpemb.privacy.mechanism_builders",
-    "full_batch": "kdpemb.privacy.mechanism_builders",
-    "virtual_clients": "kdpemb.privacy.mechanism_builders",
-    "gaussian_releases": "kdpemb.privacy.mechanism_builders",
-    "zcdp": "kdpemb.privacy.mechanism_builders",
-    "tree_aggregation": "kdpemb.privacy.mechanism_builders",
-}
-
-
-def __getattr__(name):
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"kdpemb.privacy.mechanisms.{name} is now {_MOVED[name]}.{name}; the "
-        "old path goes in the next release.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    # Loaded by the package kdpemb.privacy (which loads this module first):
-    # looked up, not imported, so this module imports neither back.
-    return getattr(sys.modules[_MOVED[name]], name)
+__getattr__ = moved_names(
+    __name__,
+    {
+        "GaussianRelease": "kdpemb.privacy.gaussian_release",
+        "effective_noise_multiplier": "kdpemb.privacy.gaussian_release",
+        "dp_sgd": "kdpemb.privacy.mechanism_builders",
+        "full_batch": "kdpemb.privacy.mechanism_builders",
+        "virtual_clients": "kdpemb.privacy.mechanism_builders",
+        "gaussian_releases": "kdpemb.privacy.mechanism_builders",
+        "zcdp": "kdpemb.privacy.mechanism_builders",
+        "tree_aggregation": "kdpemb.privacy.mechanism_builders",
+    },
+)

@@ -59,7 +59,7 @@ def centred_count(clipped_sum):
 def count_noise(stddev, seed_generator):
     """One fresh N(0, σ_b²) draw (float32 scalar); 0 when σ_b = 0.
 
-    Draw it once per round, on one replica (`kdpemb.models.backends`'
+    Draw it once per round, on one replica (`kdpemb.models._shared.backends`'
     `noise_share()`), from a `SeedGenerator` used for nothing else.
     """
     stddev = validation.check_noise_multiplier(stddev, "count_stddev")

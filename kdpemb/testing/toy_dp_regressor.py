@@ -10,7 +10,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.models import backends, private_state
+from kdpemb.models._shared import backends, private_state
 from kdpemb.privacy import gaussian_sum
 
 

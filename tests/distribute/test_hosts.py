@@ -228,7 +228,7 @@ def fedemb_model(clients, **settings):
     ids=lambda c: next(iter(c)),
 )
 def test_hosts_with_other_privacy_settings_are_refused(change):
-    from kdpemb.models import multi_host
+    from kdpemb.models.fedemb import fedemb_multi_host as multi_host
 
     clients = make_clients(seed=0)
     base = {"clip_norm": 1.0, "noise_multiplier": 1.0}

@@ -86,7 +86,8 @@ import keras  # noqa: E402
 from kdpemb.callbacks import PrivacyBudget  # noqa: E402
 from kdpemb.data import VirtualClients  # noqa: E402
 from kdpemb.datasets import synthetic_identities  # noqa: E402
-from kdpemb.models import FedEmbModel, fedemb_round  # noqa: E402
+from kdpemb.models import FedEmbModel  # noqa: E402
+from kdpemb.models.fedemb import fedemb_round  # noqa: E402
 from kdpemb.privacy import AdaptiveClipping  # noqa: E402
 
 warnings.simplefilter("ignore")  # Fixed seeds warn; intended in a test.

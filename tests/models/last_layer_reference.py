@@ -1,7 +1,7 @@
 """Float64 NumPy references for `LastLayerDPClassifier`'s tests.
 
 Written from the formulas in the class docstring and docs/last_layer.md,
-without `kdpemb.models.last_layer_stats`: per-example softmax gradients
+without `kdpemb.models.last_layer.last_layer_stats`: per-example softmax gradients
 (also by backend autodiff), full-batch and Poisson-batch DP-SGD steps,
 ridge least squares, Newton steps with the block-diagonal Hessian, the
 covariance-preconditioned steps of DP-FC, and the noise each method
@@ -15,7 +15,7 @@ import keras
 import numpy as np
 from scipy import stats
 
-from kdpemb.models import backends
+from kdpemb.models._shared import backends
 
 # ------------------------------------------------------------- basics --
 
@@ -53,7 +53,7 @@ def per_example_gradients(kernel, bias, features, labels):
     """Each example's gradient of softmax cross-entropy of a keras Dense layer.
 
     Computed one example at a time with the backend's autodiff
-    (`kdpemb.models.backends.current().value_and_grad`). Returns a list of
+    (`kdpemb.models._shared.backends.current().value_and_grad`). Returns a list of
     (kernel gradient [d, K], bias gradient [K] or None) in float64.
     """
     dim, num_classes = kernel.shape
@@ -227,7 +227,7 @@ class ClosedFormReleases:
     """
 
     def __init__(self, monkeypatch, model):
-        from kdpemb.models import last_layer_stats
+        from kdpemb.models.last_layer import last_layer_stats
 
         self.model = model
         self.second_order = []  # (kernel, matrix)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kdpemb.models import batchnorm_replacement, check_backbone, replace_batchnorm
+from kdpemb.models._shared.layer_taps import all_layers as _all_layers
 from kdpemb.models.batchnorm_replacement import group_count
-from kdpemb.models.layer_taps import all_layers as _all_layers
 
 
 def of_type(model, cls):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from keras import layers
 
-from kdpemb.models import backends
-from kdpemb.models.clipped_gradients import (
+from kdpemb.models._shared import backends
+from kdpemb.models.dp_sgd.clipped_gradients import (
     ClippedGradients,
     per_example_losses,
     plan_gradients,

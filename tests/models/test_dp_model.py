@@ -8,7 +8,7 @@ from keras import layers
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError, UnsupportedLayerError
 from kdpemb.models import DPModel
-from kdpemb.models.clipped_gradients import ClippedGradients, plan_gradients
+from kdpemb.models.dp_sgd.clipped_gradients import ClippedGradients, plan_gradients
 from kdpemb.privacy import protocol
 
 pytestmark = pytest.mark.filterwarnings(
@@ -67,7 +67,7 @@ def per_example_gradients(network, x, y):
     plan = plan_gradients(network, x[:3], "vectorized")
     loss = keras.losses.get("mse")
     engine = ClippedGradients(network, plan, loss, [1.0])
-    from kdpemb.models import backends
+    from kdpemb.models._shared import backends
 
     params = [v.value for v in network.trainable_variables]
     fixed = [v.value for v in network.non_trainable_variables]
@@ -461,7 +461,7 @@ def test_a_self_check_with_nothing_to_compare_does_not_trust_the_plan():
 
 
 def test_synthetic_samples_read_ids_through_aliases_and_give_a_non_zero_loss():
-    from kdpemb.models.dp_model import synthetic_inputs, synthetic_targets
+    from kdpemb.models.dp_sgd.dp_model import synthetic_inputs, synthetic_targets
 
     network = keras.Sequential(
         [keras.Input((6,)), layers.Embedding(9, 2), layers.Embedding(5, 2)]
@@ -484,7 +484,7 @@ def test_synthetic_samples_read_ids_through_aliases_and_give_a_non_zero_loss():
 @pytest.mark.filterwarnings("ignore::kdpemb.errors.SmallPopulationWarning")
 def test_the_self_check_catches_a_norm_that_counts_ids_not_rows(monkeypatch):
     # The ghost norm as it was: raw ids compared, −1 and V − 1 two rows.
-    from kdpemb.models import ghost_norms
+    from kdpemb.models.dp_sgd import ghost_norms
 
     monkeypatch.setattr(
         ghost_norms, "embedding_rows", lambda layer, ids: keras.ops.cast(ids, "int32")

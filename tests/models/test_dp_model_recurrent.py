@@ -16,7 +16,7 @@ import pytest
 from keras import layers
 
 from kdpemb.models import DPModel
-from kdpemb.models.clipped_gradients import _self_check_problem, plan_gradients
+from kdpemb.models.dp_sgd.clipped_gradients import _self_check_problem, plan_gradients
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::kdpemb.errors.ReproducibleNoiseWarning"

@@ -773,7 +773,7 @@ def test_a_fixed_seed_warns_at_the_line_that_built_the_model():
 
 
 def test_only_the_plan_settings_may_be_adopted_after_construction():
-    from kdpemb.models import frozen_settings
+    from kdpemb.models._shared import frozen_settings
 
     model = FedEmbModel(ref.linear_backbone(), noise_multiplier=1.0)
     with pytest.raises(AttributeError, match="fixed at construction"):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kdpemb.data import VirtualClients
-from kdpemb.models import backends, fedemb_round
+from kdpemb.models._shared import backends
+from kdpemb.models.fedemb import fedemb_round
 from tests.models import fedemb_reference as ref
 
 pytestmark = pytest.mark.filterwarnings(

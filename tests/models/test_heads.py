@@ -4,15 +4,9 @@ import keras
 import numpy as np
 import pytest
 
-from kdpemb.models import (
-    CentralizedBaseline,
-    CosineHead,
-    FedEmbModel,
-    backends,
-    fedemb_round,
-    heads,
-    small_cnn,
-)
+from kdpemb.models import CentralizedBaseline, CosineHead, FedEmbModel, heads, small_cnn
+from kdpemb.models._shared import backends
+from kdpemb.models.fedemb import fedemb_round
 from tests.models import fedemb_reference as ref
 from tests.models.test_fedemb import tiny_clients
 

@@ -21,13 +21,14 @@ from kdpemb.callbacks import PrivacyBudget
 from kdpemb.data import poisson_batches
 from kdpemb.data.poisson_batches import PoissonBatches
 from kdpemb.errors import DegenerateFeaturesWarning, PrivacyBudgetExhaustedError
-from kdpemb.models import ReproducibleNoiseWarning, backends
+from kdpemb.models import ReproducibleNoiseWarning
+from kdpemb.models._shared import backends
 from kdpemb.models.last_layer import (
     ClipFeatures,
     LastLayerDPClassifier,
     dense_gradient_norms,
 )
-from kdpemb.models.last_layer_stats import make_psd
+from kdpemb.models.last_layer.last_layer_stats import make_psd
 from kdpemb.privacy import host_noise, protocol
 from tests.models import last_layer_reference as ref
 

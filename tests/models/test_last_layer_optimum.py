@@ -14,7 +14,7 @@ import pytest
 from sklearn.linear_model import LogisticRegression, Ridge
 
 from kdpemb.models import LastLayerDPClassifier
-from kdpemb.models.last_layer_stats import clip_rows
+from kdpemb.models.last_layer.last_layer_stats import clip_rows
 
 CLIP = 2.0
 L2 = 1e-2

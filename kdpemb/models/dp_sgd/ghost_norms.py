@@ -39,7 +39,7 @@ import string
 import keras
 from keras import ops
 
-from kdpemb.models import layer_taps
+from kdpemb.models._shared import layer_taps
 
 _NORMALIZATIONS = (keras.layers.LayerNormalization, keras.layers.GroupNormalization)
 

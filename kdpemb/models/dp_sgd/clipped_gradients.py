@@ -36,7 +36,8 @@ from typing import NamedTuple
 import numpy as np
 from keras import ops
 
-from kdpemb.models import backends, ghost_norms, layer_taps
+from kdpemb.models._shared import backends, layer_taps
+from kdpemb.models.dp_sgd import ghost_norms
 from kdpemb.privacy import gaussian_sum
 
 MODES = ("auto", "ghost", "vectorized")

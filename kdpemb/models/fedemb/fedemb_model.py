@@ -12,17 +12,11 @@ schedule and privacy to `fedemb_privacy`, argument checks to
 import keras
 from keras import ops
 
-from kdpemb.models import (
-    backends,
-    fedemb_config,
-    fedemb_fit,
-    fedemb_privacy,
-    fedemb_step,
-    heads,
-)
-from kdpemb.models.fedemb_config import AGGREGATIONS, HEAD_INITS  # noqa: F401
-from kdpemb.models.frozen_settings import FrozenSettings
-from kdpemb.models.optimizer_restore import RestoresOptimizer
+from kdpemb.models import heads
+from kdpemb.models._shared import backends
+from kdpemb.models._shared.frozen_settings import FrozenSettings
+from kdpemb.models._shared.optimizer_restore import RestoresOptimizer
+from kdpemb.models.fedemb import fedemb_config, fedemb_fit, fedemb_privacy, fedemb_step
 from kdpemb.privacy import protocol
 
 __all__ = ["FedEmbModel"]

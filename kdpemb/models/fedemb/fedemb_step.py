@@ -6,7 +6,8 @@ round release nothing (past the plan, mixed hosts, not of the epoch)."""
 import keras
 from keras import ops
 
-from kdpemb.models import backends, fedemb_checks, fedemb_privacy, fedemb_round
+from kdpemb.models._shared import backends
+from kdpemb.models.fedemb import fedemb_checks, fedemb_privacy, fedemb_round
 from kdpemb.privacy import gaussian_sum, quantile_clip, tree_noise
 
 

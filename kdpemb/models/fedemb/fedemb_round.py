@@ -3,7 +3,7 @@
 The clients' local training, clipping and sum. Everything here is
 backend-agnostic: the two things that differ between TensorFlow and JAX
 (taking a gradient, and summing over replicas) come in through a
-`kdpemb.models.backends` module. `FedEmbModel.train_step` calls
+`kdpemb.models._shared.backends` module. `FedEmbModel.train_step` calls
 `run_round` and applies its result with the server optimizer.
 
 Per virtual client (a row of the round):

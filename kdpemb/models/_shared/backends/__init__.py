@@ -8,7 +8,7 @@ differ between backends live here, the way Keras splits its own trainers:
 - `vjp(fn, params, cotangent)`: the gradient of `Σ cotangent · fn(params)`
   with respect to `params`, as one vector-Jacobian product.
 - `output_gradients(run, params)`: the loss and its gradients with respect
-  to the outputs of tapped layers (`kdpemb.models.layer_taps`).
+  to the outputs of tapped layers (`kdpemb.models._shared.layer_taps`).
 - `compiled(fn)`: `fn`, compiled where eager execution is slow (JAX).
 - `per_example_map(fn, *tensors)`: `fn` over the rows of `tensors`,
   vectorised (`vmap`, `vectorized_map`; on TensorFlow a `map_fn` loop
@@ -44,4 +44,4 @@ def current():
             "kdpemb's trainers support the tensorflow and jax backends, "
             f"not {backend!r}."
         )
-    return importlib.import_module(f"kdpemb.models.backends.{backend}_backend")
+    return importlib.import_module(f"kdpemb.models._shared.backends.{backend}_backend")

@@ -13,7 +13,9 @@ from kdpemb.errors import (
     HostsDisagreeError,
     RoundsOutOfEpochError,
 )
-from kdpemb.models import fedemb_checks, fedemb_privacy, multi_host, privacy_plan
+from kdpemb.models._shared import privacy_plan
+from kdpemb.models.fedemb import fedemb_checks, fedemb_privacy
+from kdpemb.models.fedemb import fedemb_multi_host as multi_host
 from kdpemb.privacy import protocol
 
 

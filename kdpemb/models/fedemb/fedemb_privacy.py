@@ -11,7 +11,8 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models import fedemb_checks, frozen_settings, privacy_plan, private_state
+from kdpemb.models._shared import frozen_settings, privacy_plan, private_state
+from kdpemb.models.fedemb import fedemb_checks
 from kdpemb.privacy import protocol, tree_noise
 
 

@@ -15,7 +15,7 @@ Example:
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.models import privacy_plan
+from kdpemb.models._shared import privacy_plan
 from kdpemb.privacy import protocol
 
 

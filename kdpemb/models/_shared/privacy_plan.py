@@ -34,7 +34,7 @@ import keras
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models import frozen_settings
+from kdpemb.models._shared import frozen_settings
 from kdpemb.privacy import protocol
 
 

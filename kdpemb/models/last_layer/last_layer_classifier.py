@@ -3,7 +3,7 @@
 Four methods (Mehta et al. 2022, 2023), each a small class that owns its
 step, its releases and its accounting:
 
-- "dp-sgd" (`dp_sgd_head.DPSGDHead`): DP-SGD (or DP-Adam, DP-LAMB: any
+- "dp-sgd" (`last_layer_dp_sgd_head.DPSGDHead`): DP-SGD (or DP-Adam, DP-LAMB: any
   Keras optimizer) on a softmax head, a `train_step` run by Keras' `fit`.
   Each example's exact gradient norm comes from the features and
   residuals, so no per-example gradient is ever materialised. Poisson
@@ -25,20 +25,22 @@ import numpy as np
 from keras import ops
 
 from kdpemb import _validation as validation
-from kdpemb.models import (
+from kdpemb.models._shared import (
     backends,
     device_checks,
     frozen_settings,
-    last_layer_inputs,
-    last_layer_plan,
     privacy_plan,
     private_state,
 )
-from kdpemb.models.device_rows import DeviceRows
-from kdpemb.models.dp_sgd_head import DPSGDHead, dense_gradient_norms
-from kdpemb.models.frozen_settings import FrozenSettings
-from kdpemb.models.last_layer_solvers import SOLVERS, fit_loop
-from kdpemb.models.optimizer_restore import RestoresOptimizer
+from kdpemb.models._shared.device_rows import DeviceRows
+from kdpemb.models._shared.frozen_settings import FrozenSettings
+from kdpemb.models._shared.optimizer_restore import RestoresOptimizer
+from kdpemb.models.last_layer import last_layer_inputs, last_layer_plan
+from kdpemb.models.last_layer.last_layer_dp_sgd_head import (
+    DPSGDHead,
+    dense_gradient_norms,
+)
+from kdpemb.models.last_layer.last_layer_solvers import SOLVERS, fit_loop
 from kdpemb.privacy import protocol
 
 METHOD_CLASSES = {DPSGDHead.name: DPSGDHead, **SOLVERS}

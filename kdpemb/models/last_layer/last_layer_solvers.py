@@ -22,7 +22,7 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.errors import LostReleaseError
-from kdpemb.models import last_layer_stats as stats
+from kdpemb.models.last_layer import last_layer_stats as stats
 from kdpemb.privacy import host_noise, protocol
 from kdpemb.privacy.gaussian_release import GaussianRelease
 

@@ -6,13 +6,9 @@ import numbers
 import keras
 
 from kdpemb import _validation as validation
-from kdpemb.models import (
-    backbone_checks,
-    fedemb_checks,
-    fedemb_privacy,
-    privacy_plan,
-    private_state,
-)
+from kdpemb.models import backbone_checks
+from kdpemb.models._shared import privacy_plan, private_state
+from kdpemb.models.fedemb import fedemb_checks, fedemb_privacy
 from kdpemb.privacy import AdaptiveClipping, tree_noise
 from kdpemb.privacy.schedule import NOISES
 

@@ -13,7 +13,7 @@ model holds them.
 
 import keras
 
-from kdpemb.models import backends
+from kdpemb.models._shared import backends
 
 
 class DeviceRows:

@@ -5,7 +5,7 @@ subclassed); its `fit` is DP-SGD: Poisson-sampled logical batches of
 expected size B (split into physical batches of `physical_batch_size`
 whose clipped gradients are summed), each example's gradient clipped to
 `clip_norm` (ghost clipping where the layers allow it,
-`kdpemb.models.clipped_gradients`), Gaussian noise of std z · C added once
+`kdpemb.models.dp_sgd.clipped_gradients`), Gaussian noise of std z · C added once
 to the sum, division by B, and the compiled optimizer (SGD, Adam, LAMB, …).
 It implements kdpemb's privacy protocol, so `PrivacyBudget`,
 `privacy_statement()` and calibration from a `target_epsilon` work as for
@@ -20,21 +20,16 @@ from keras import ops
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.datasets import inputs
-from kdpemb.models import (
-    backbone_checks,
-    backends,
-    device_checks,
-    privacy_plan,
-    private_state,
-)
-from kdpemb.models.clipped_gradients import (
+from kdpemb.models import backbone_checks
+from kdpemb.models._shared import backends, device_checks, privacy_plan, private_state
+from kdpemb.models._shared.frozen_settings import FrozenSettings
+from kdpemb.models._shared.layer_taps import all_layers
+from kdpemb.models.dp_sgd.clipped_gradients import (
     MODES,
     ClippedGradients,
     logger,
     plan_gradients,
 )
-from kdpemb.models.frozen_settings import FrozenSettings
-from kdpemb.models.layer_taps import all_layers
 from kdpemb.privacy import gaussian_sum, protocol
 
 SAMPLINGS = ("poisson", "fixed")
