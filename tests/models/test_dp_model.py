@@ -181,6 +181,33 @@ def test_the_budget_contract_with_a_target_epsilon():
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+class RestoresSteps(keras.callbacks.Callback):
+    """Restores private steps taken elsewhere at train begin (as
+    `BackupAndRestore` restores a crashed run's)."""
+
+    def on_train_begin(self, logs=None):
+        self.model.private_steps.assign(3)
+
+
+def test_a_refused_first_fit_keeps_the_given_plan_and_no_calibration():
+    # Steps restored at train begin were taken at a noise this plan does
+    # not know: the fit is refused and its calibration undone, back to
+    # the planned_steps given to the constructor (as FedEmbModel does).
+    x, y = data(n=64)
+    model = DPModel(mlp(), target_epsilon=2.0, delta=1e-3, planned_steps=20)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    before = weights(model.network)
+    with pytest.raises(ValueError, match="restored 3 private steps"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[RestoresSteps()])  # fmt: skip
+    np.testing.assert_array_equal(weights(model.network)[0], before[0])
+    assert model.planned_steps == 20 and model.schedule is None
+    assert model.calibrated_noise_multiplier is None is model.noise_multiplier
+    model.private_steps.assign(0)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # Plans afresh: 20.
+    assert model.planned_steps == 20 and model.calibrated_noise_multiplier > 0
+
+
 def test_fixed_size_sampling_is_accounted_as_replace_one_with_rdp():
     from kdpemb.callbacks import PrivacyBudget
     from kdpemb.errors import UnsupportedMechanismError

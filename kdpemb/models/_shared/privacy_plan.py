@@ -13,9 +13,13 @@ computed from the data past the plan and counts no step (its update is
 zero; an optimizer's momentum may still move the weights). A plan given to the constructor is checked against the target
 (`check_plan`).
 
-Used by `FedEmbModel` and `DPModel`; `LastLayerDPClassifier` plans its
-schedule at its first fit itself (it keeps a plan with a fixed noise too)
-and shares `check_budget`.
+One flow for the three trainers: `refuse_unplanned_steps` (steps taken
+but no plan held), `calibrate_first_plan` at the first fit (each trainer
+gives its schedule's mechanism at noise multiplier 1), `check_later_fit`
+(the plan checked once against its target, then the budget) and
+`forget_plan` (a refused first fit keeps no plan); `PlanGuard` checks
+again after the callbacks. `plan_steps` is the whole flow of a model whose
+schedule comes from its first fit.
 
 Example:
 
@@ -184,14 +188,14 @@ def is_verbose(arguments):
     return any(getattr(callback, "shows_progress", False) for callback in callbacks)
 
 
-def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner):
+def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner, noun="rounds"):
     """The noise multiplier of `mechanism` that spends `target_epsilon` at
     `delta` over `planned` steps (`kdpemb.privacy.calibrate_noise_multiplier`);
     prints a line before and after when `verbose`."""
     if verbose:
         print(
             f"{owner}: calibrating the noise for ε = {target_epsilon:g} at "
-            f"δ = {delta:g} over {planned} rounds…",
+            f"δ = {delta:g} over {planned} {noun}…",
             flush=True,
         )
     z = privacy.calibrate_noise_multiplier(
@@ -236,65 +240,105 @@ DEFAULT_REMEDY = (
 )
 
 
+def refuse_unplanned_steps(model, noun="steps", remedy=""):
+    """Refuses a model that has taken private steps but holds no plan or
+    schedule for them (its weights loaded into a new model): a new plan
+    would account those steps at another mechanism and misstate ε."""
+    taken = protocol.read_private_steps(model)
+    if taken:
+        cls = type(model).__name__
+        raise ValueError(
+            f"This {cls} has taken {taken} private {noun} but holds no plan "
+            "for them (weights loaded into a new model?): the schedule, "
+            "planned steps or calibrated noise that their ε depends on are "
+            "not restored by load_weights, and a new plan would misstate ε. "
+            f"Load the whole model with keras.saving.load_model{remedy}."
+        )
+
+
+def calibrate_first_plan(model, unit_mechanism, steps, verbose, noun="steps"):
+    """The first fit's plan of a model with a `target_epsilon`:
+    `(planned_steps, z)`, the steps planned (the model's `planned_steps`,
+    or this fit's `steps`) and the noise multiplier of `unit_mechanism`
+    (the schedule's mechanism at noise multiplier 1) that spends exactly
+    the target over them. Refuses, before calibrating, a fit of more steps
+    than planned. The caller adopts the plan once its fit is accepted.
+    """
+    cls = type(model).__name__
+    planned = model.planned_steps or steps
+    if steps > planned:
+        raise PrivacyBudgetExhaustedError(
+            f"This fit's {steps} {noun} are more than the planned_steps="
+            f"{planned} that target_epsilon={model.target_epsilon} (δ = "
+            f"{model.delta}) is spent over. Fit at most {planned} more {noun}, "
+            f"or build a new {cls} with a larger planned_steps."
+        )
+    z = calibrate(unit_mechanism, planned, model.target_epsilon, model.delta,
+                  verbose, cls, noun)  # fmt: skip
+    return planned, z
+
+
+def adopt_first_plan(model, planned_steps, noise_multiplier, **settings):
+    """Fixes the plan of an accepted first fit: `planned_steps`, the
+    calibrated noise multiplier (also the model's `noise_multiplier`) and
+    `settings` (e.g. the schedule); a calibrated plan meets its target."""
+    model._given_planned_steps = model.planned_steps  # For `forget_plan`.
+    frozen_settings.adopt_plan(
+        model,
+        planned_steps=planned_steps,
+        calibrated_noise_multiplier=noise_multiplier,
+        noise_multiplier=noise_multiplier,
+        **settings,
+    )
+    model._plan_checked = True
+
+
+def check_later_fit(model, steps, noun="steps", remedy=None):
+    """A fit after the plan was fixed: the plan (checked against its target
+    once per model, `check_plan`) must hold `steps` more steps."""
+    if model.target_epsilon is None:
+        return
+    if not getattr(model, "_plan_checked", False):
+        check_plan(model)
+        model._plan_checked = True
+    check_budget(model, steps, noun, remedy=remedy)
+
+
 def plan_steps(model, schedule, steps, verbose):
     """The target-ε flow of a model whose schedule comes from its first
     `fit` (`DPModel`): adopts `schedule`; with a `target_epsilon`,
-    calibrates the noise once (over `planned_steps`, or this fit's
-    `steps`) on the schedule's mechanism at noise multiplier 1 and the
-    model's `clip_norm`, and refuses, before any step, a fit that would go
-    past the plan. Returns whether this call calibrated.
-
-    A model that has taken steps but holds no schedule (its weights loaded
-    into a new model) is refused: its ε could not be stated.
+    calibrates the noise once (`calibrate_first_plan`, on the schedule's
+    mechanism at the model's `clip_norm`) and refuses, before any step, a
+    fit that would go past the plan. Returns whether this call calibrated.
     """
-    cls = type(model).__name__
-    taken = protocol.read_private_steps(model)
-    if model.schedule is None and taken:
-        raise ValueError(
-            f"This {cls} has taken {taken} private steps but holds no "
-            "schedule (weights loaded into a new model?): its ε cannot be "
-            "stated. Load the whole model with keras.saving.load_model."
-        )
+    if model.schedule is None:
+        refuse_unplanned_steps(model)
     calibrated = False
     if model.target_epsilon is not None and model.calibrated_noise_multiplier is None:
-        planned = model.planned_steps or steps
-        if steps > planned:
-            raise PrivacyBudgetExhaustedError(
-                f"This fit's {steps} steps are more than the planned_steps="
-                f"{planned} that target_epsilon={model.target_epsilon} is "
-                f"spent over. Fit fewer epochs, or build the {cls} with a "
-                "larger planned_steps."
-            )
-        unit_mechanism = schedule.privacy_mechanism(1.0, model.clip_norm)
-        z = calibrate(
-            unit_mechanism, planned, model.target_epsilon, model.delta, verbose, cls
+        planned, z = calibrate_first_plan(
+            model, schedule.privacy_mechanism(1.0, model.clip_norm), steps, verbose
         )
-        frozen_settings.adopt_plan(
-            model,
-            planned_steps=planned,
-            calibrated_noise_multiplier=z,
-            noise_multiplier=z,
-        )
+        adopt_first_plan(model, planned, z)
         calibrated = True
     if model.schedule is None:
         frozen_settings.adopt_plan(model, schedule=schedule)
-    if model.target_epsilon is not None:
-        if not calibrated:
-            check_plan(model)
-        check_budget(model, steps, "steps")
+    check_later_fit(model, steps)
     return calibrated
 
 
-def forget_plan(model):
-    """Undoes what `plan_steps` calibrated and adopted at a fit that is
-    then refused (a callback restored steps taken at an unknown noise)."""
+def forget_plan(model, **settings):
+    """Undoes what `adopt_first_plan` fixed when the fit is then refused (a
+    callback restored steps taken at an unknown noise): `planned_steps`
+    back to the one given to the constructor, no calibrated noise, and
+    `settings` (e.g. `schedule=None`)."""
     frozen_settings.adopt_plan(
         model,
-        planned_steps=None,
+        planned_steps=getattr(model, "_given_planned_steps", None),
         calibrated_noise_multiplier=None,
         noise_multiplier=None,
-        schedule=None,
+        **settings,
     )
+    model._plan_checked = False
 
 
 # Float round-off between a calibrated multiplier and the one a model

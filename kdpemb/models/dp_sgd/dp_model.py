@@ -13,6 +13,8 @@ the other models. Training logs only `private_steps`: a loss on the
 private batch would be a release without noise.
 """
 
+import functools
+
 import keras
 import numpy as np
 from keras import ops
@@ -308,7 +310,9 @@ class DPModel(FrozenSettings, keras.Model):
             steps_of,
             "steps",
             on_restored_steps=(
-                (lambda: privacy_plan.forget_plan(self)) if calibrated else None
+                functools.partial(privacy_plan.forget_plan, self, schedule=None)
+                if calibrated
+                else None
             ),
         )
         callbacks = privacy_plan.with_guard(callbacks, guard, self)

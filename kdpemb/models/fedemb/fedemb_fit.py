@@ -19,17 +19,15 @@ from kdpemb.models.fedemb import fedemb_multi_host as multi_host
 from kdpemb.privacy import protocol
 
 
-def fit(model, keras_fit, x, args, kwargs):
-    """`FedEmbModel.fit`: checks, then `keras_fit(x, *args, **kwargs)`."""
+def fit(model, keras_fit, x, kwargs):
+    """`FedEmbModel.fit`: checks, then `keras_fit(x, **kwargs)`."""
     hosts = distribute.current_hosts(model)
     # Every host checks alone, then they tell each other whether all
     # passed (one host refusing would leave the others waiting).
     model._calibrated_this_fit = False
     try:
         with hosts.together("FedEmbModel.fit"):
-            x, args, kwargs, clients, verbose = checked_fit(
-                model, x, args, kwargs, hosts
-            )
+            x, kwargs, clients, verbose = checked_fit(model, x, kwargs, hosts)
     except HostsDisagreeError:
         # Another host refused: keep no plan this host fixed alone.
         if model._calibrated_this_fit:
@@ -56,7 +54,7 @@ def fit(model, keras_fit, x, args, kwargs):
             stacklevel=3,
         )
     misaligned = misaligned_count(model)
-    history = keras_fit(x, *args, **kwargs)
+    history = keras_fit(x, **kwargs)
     multi_host.check_rounds_aligned(model._hosts_guard)
     skipped = misaligned_count(model) - misaligned
     if skipped:
@@ -73,9 +71,9 @@ def fit(model, keras_fit, x, args, kwargs):
     return history
 
 
-def checked_fit(model, x, args, kwargs, hosts):
-    """`fit`'s checks, before any round; returns `(x, args, kwargs,
-    clients, verbose)` to fit with (guards added)."""
+def checked_fit(model, x, kwargs, hosts):
+    """`fit`'s checks, before any round; returns `(x, kwargs, clients,
+    verbose)` to fit with (guards added)."""
     from kdpemb.data import VirtualClients
     from kdpemb.data.virtual_clients import clients_of
 
@@ -110,7 +108,7 @@ def checked_fit(model, x, args, kwargs, hosts):
             fedemb_checks.check_image_shape(model.backbone, image_shape, "the rounds")
         model._head_columns = None
     kwargs = multi_host.check_fit(model, x, clients, kwargs, hosts)
-    arguments = privacy_plan.fit_arguments(args, kwargs)
+    arguments = privacy_plan.fit_arguments((), kwargs)
     verbose = privacy_plan.is_verbose(arguments)
     model._hosts_guard = None
     if hosts.count > 1:
@@ -119,7 +117,7 @@ def checked_fit(model, x, args, kwargs, hosts):
             arguments.get("callbacks"), model._hosts_guard, model
         )
         arguments = {**arguments, "callbacks": callbacks}
-        args, kwargs = (), arguments
+        kwargs = arguments
     if model.schedule.sampling == "epochs":
         check_epoch_alignment(model, arguments)
         # Checked again after every other callback (one may restore a
@@ -128,10 +126,10 @@ def checked_fit(model, x, args, kwargs, hosts):
             arguments.get("callbacks"), EpochGuard(), model
         )
         arguments = {**arguments, "callbacks": callbacks}
-        args, kwargs = (), arguments
+        kwargs = arguments
     if model.target_epsilon is not None:
-        args, kwargs = (), fedemb_privacy.plan_fit(model, x, arguments, verbose)
-    return x, args, kwargs, clients, verbose
+        kwargs = fedemb_privacy.plan_fit(model, x, arguments, verbose)
+    return x, kwargs, clients, verbose
 
 
 def misaligned_count(model):

@@ -383,7 +383,19 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, **kwargs)
 
-    def fit(self, x=None, *args, **kwargs):
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_data=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        **kwargs,
+    ):
         """`keras.Model.fit`; `x` is a `kdpemb.data.VirtualClients` or its
         `to_tf_dataset()` (whose schedule is taken or checked alike), or,
         with `schedule=` given to the model, any dataset of the same round
@@ -398,7 +410,12 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         unknown or infinite cardinality needs `steps_per_epoch`). Warns
         with `DataDependentScheduleWarning` when P is not a public count.
         """
-        return fedemb_fit.fit(self, super().fit, x, args, kwargs)
+        kwargs.update(
+            y=y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_data=validation_data,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        )  # fmt: skip
+        return fedemb_fit.fit(self, super().fit, x, kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         return fedemb_fit.train_on_batch(self, super().train_on_batch, args, kwargs)

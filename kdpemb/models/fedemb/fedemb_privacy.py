@@ -10,8 +10,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models._shared import frozen_settings, privacy_plan, private_state
+from kdpemb.models._shared import privacy_plan, private_state
 from kdpemb.models.fedemb import fedemb_checks
 from kdpemb.privacy import protocol, tree_noise
 
@@ -192,10 +191,10 @@ def simulated_deployment(
 def plan_budget(model, steps, verbose):
     """With a `target_epsilon`: calibrates the noise at the first fit (over
     `planned_steps`, or this fit's `steps`), then refuses a fit of
-    `steps` rounds that would go past the plan, before any round. The
-    plan is fixed only by a fit that passes; a plan given to the
-    constructor is checked against the target once. Returns whether
-    this call calibrated."""
+    `steps` rounds that would go past the plan, before any round
+    (`privacy_plan`'s flow). The plan is fixed only by a fit that passes;
+    a plan given to the constructor is checked against the target once.
+    Returns whether this call calibrated."""
     if steps is None:
         raise ValueError(
             "With target_epsilon, fit must know how many rounds it runs, "
@@ -204,31 +203,20 @@ def plan_budget(model, steps, verbose):
             "their to_tf_dataset()."
         )
     if model.calibrated_noise_multiplier is not None:
-        check_given_plan(model)
-        privacy_plan.check_budget(model, steps)
+        privacy_plan.check_later_fit(model, steps, "rounds")
         return False
-    taken = protocol.read_private_steps(model)
-    if taken:
-        raise ValueError(
-            f"This FedEmbModel has taken {taken} private rounds (weights "
-            "loaded into a new model?) but does not know the noise they "
-            "were calibrated with: a new calibration would account them "
-            "at another noise and misstate ε. Load the whole model with "
-            "keras.saving.load_model, or build it with the saved "
-            "planned_steps=... and calibrated_noise_multiplier=... "
-            "(model.planned_steps and model.calibrated_noise_multiplier "
-            "of the model that took them)."
-        )
-    planned = model.planned_steps or steps
-    schedule = known_schedule(model)
-    z_eff = privacy_plan.calibrate(
-        schedule.privacy_mechanism(1.0, noise=model.noise),
-        planned,
-        model.target_epsilon,
-        model.delta,
-        verbose,
-        "FedEmbModel",
+    privacy_plan.refuse_unplanned_steps(
+        model,
+        "rounds",
+        remedy=", or build it with the saved planned_steps=... and "
+        "calibrated_noise_multiplier=... (model.planned_steps and "
+        "model.calibrated_noise_multiplier of the model that took them)",
     )
+    schedule = known_schedule(model)
+    planned, z_eff = privacy_plan.calibrate_first_plan(
+        model, schedule.privacy_mechanism(1.0, noise=model.noise), steps, verbose,
+        "rounds",
+    )  # fmt: skip
     z = z_eff
     if model.adaptive_clipping is not None:
         # z is the round's z_eff: what the count leaves to the update.
@@ -241,44 +229,15 @@ def plan_budget(model, steps, verbose):
                 f"the update's noise multiplier is {z:.4g}.",
                 flush=True,
             )
-    if steps > planned:
-        # Refused before the plan is fixed: a later fit plans afresh.
-        after = privacy.epsilon(
-            schedule.privacy_mechanism(z_eff, noise=model.noise), steps, model.delta
-        )
-        raise PrivacyBudgetExhaustedError(
-            f"This fit's {steps} rounds are more than the planned_steps="
-            f"{planned} that target_epsilon={model.target_epsilon} (δ = "
-            f"{model.delta}) is spent over; at the calibrated noise they "
-            f"would take ε to {after:.4g}. Fit at most {planned} more rounds, "
-            "or build a new FedEmbModel with a larger planned_steps."
-        )
-    model._given_planned_steps = model.planned_steps
-    frozen_settings.adopt_plan(
-        model, planned_steps=planned, calibrated_noise_multiplier=z, noise_multiplier=z
-    )
-    model._plan_checked = True
+    privacy_plan.adopt_first_plan(model, planned, z)
     return True
 
 
 def forget_plan(model):
     """Undoes this fit's calibration: a callback restored rounds that
     were taken at a noise this model does not know."""
-    frozen_settings.adopt_plan(
-        model,
-        planned_steps=model._given_planned_steps,
-        calibrated_noise_multiplier=None,
-        noise_multiplier=None,
-    )
-    model._plan_checked = False
+    privacy_plan.forget_plan(model)
     model.train_function = None
-
-
-def check_given_plan(model):
-    """Checks a plan given to the constructor once per model."""
-    if not getattr(model, "_plan_checked", False):
-        privacy_plan.check_plan(model)
-        model._plan_checked = True
 
 
 def within_plan(model):
@@ -332,5 +291,4 @@ def check_round_budget(model):
                 "A FedEmbModel with target_epsilon calibrates its noise at "
                 "its first fit, over the rounds it plans: fit it first."
             )
-        check_given_plan(model)
-        privacy_plan.check_budget(model, 1)
+        privacy_plan.check_later_fit(model, 1, "rounds")

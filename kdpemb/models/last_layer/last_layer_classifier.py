@@ -332,12 +332,10 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     def _adopt_plan(self, plan):
         """Fixes the first fit's plan (set once, after the fit is accepted)."""
         schedule, planned, calibrated = plan
-        frozen_settings.adopt_plan(self,
-            schedule=schedule, planned_steps=planned,
-            calibrated_noise_multiplier=calibrated,
-        )  # fmt: skip
         if self.target_epsilon is not None:
-            frozen_settings.adopt_plan(self, noise_multiplier=calibrated)
+            privacy_plan.adopt_first_plan(self, planned, calibrated, schedule=schedule)
+        else:  # A fixed noise is planned too: the schedule, its steps.
+            frozen_settings.adopt_plan(self, schedule=schedule, planned_steps=planned)
 
     # ------------------------------------------------------- training --
 
@@ -406,15 +404,16 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 "Evaluate with model.evaluate(features, labels) afterwards."
             )
         steps_per_epoch, plan = last_layer_plan.first_fit_plan(
-            self, self._method, len(features), batch_size, epochs - initial_epoch
-        )
+            self, self._method, len(features), batch_size, epochs - initial_epoch,
+            privacy_plan.is_verbose({"verbose": verbose, "callbacks": callbacks}),
+        )  # fmt: skip
         if not self.built:
             self.build(features.shape)
         if not self.compiled:
             self.compile()
         if plan is not None:
             self._adopt_plan(plan)
-        privacy_plan.check_budget(
+        privacy_plan.check_later_fit(
             self, steps_per_epoch * (epochs - initial_epoch), "steps",
             remedy="a larger target_epsilon (or a fixed noise_multiplier)",
         )  # fmt: skip

@@ -3,7 +3,7 @@
 The classifier plans at its first `fit` whatever its noise: the schedule
 (N examples, batch B), the planned steps (that fit's) and, for a
 `target_epsilon`, the noise calibrated over them. Later fits must keep N
-and B; `privacy_plan.check_budget` refuses steps past a target's plan. A
+and B; `privacy_plan.check_later_fit` refuses steps past a target's plan. A
 saved classifier restores its plan from its config (`restored_plan`),
 configs saved before the `Schedule` included.
 
@@ -16,10 +16,9 @@ Example:
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.models._shared import privacy_plan
-from kdpemb.privacy import protocol
 
 
-def first_fit_plan(model, method, num_examples, batch_size, epochs):
+def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=False):
     """Plans the schedule at the first fit of `model` (a
     `LastLayerDPClassifier` of `method`); checks later fits against it.
 
@@ -51,29 +50,17 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs):
                     "start a new classifier."
                 )
         return steps_per_epoch, None
-    taken = protocol.read_private_steps(model)
-    if taken:
-        raise ValueError(
-            f"This classifier has taken {taken} private steps but holds no "
-            "schedule: its weights were loaded (load_weights) into a new "
-            "classifier, which does not restore the schedule, the planned "
-            "steps or the calibrated noise that its ε depends on. Load the "
-            "whole model with keras.saving.load_model instead."
-        )
+    privacy_plan.refuse_unplanned_steps(model)
     if model.delta is not None:
         validation.check_delta(model.delta, num_examples, "example")
     schedule = privacy.Schedule.examples(num_examples, batch_size)
     planned = epochs * steps_per_epoch
     calibrated = None
     if model.target_epsilon is not None:
-        calibrated = method.noise_multiplier_of(
-            privacy.calibrate_noise_multiplier(
-                method.mechanism(1.0, schedule, planned),
-                target_epsilon=model.target_epsilon,
-                delta=model.delta,
-                steps=planned,
-            )
+        _, z = privacy_plan.calibrate_first_plan(
+            model, method.mechanism(1.0, schedule, planned), planned, verbose
         )
+        calibrated = method.noise_multiplier_of(z)
     plan = (schedule, planned, None if calibrated is None else float(calibrated))
     return steps_per_epoch, plan
 
