@@ -15,7 +15,7 @@ Example:
 import importlib
 
 from kdpemb import _moved
-from kdpemb._backend import check_supported_backend
+from kdpemb._backend_selection import check_supported_backend
 from kdpemb.version import __version__
 
 check_supported_backend()

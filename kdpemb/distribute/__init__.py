@@ -55,20 +55,20 @@ def current_hosts(model=None):
     """
     backend = keras.backend.backend()
     if backend == "jax":
-        return _engine("jax").hosts()
+        return _backend("jax").hosts()
     if backend == "tensorflow":
-        return _engine("tensorflow").hosts(_strategy(model))
+        return _backend("tensorflow").hosts(_strategy(model))
     return Hosts.single()
 
 
 def local_device_count(model=None):
     """The devices (TensorFlow: replicas) this host splits its rows over."""
     if keras.backend.backend() == "jax":
-        return _engine("jax").local_device_count()
+        return _backend("jax").local_device_count()
     strategy = _strategy(model)
     if strategy is None:
         return 1
-    return len(_engine("tensorflow").local_replica_ids(strategy))
+    return len(_backend("tensorflow").local_replica_ids(strategy))
 
 
 def _strategy(model):
@@ -81,5 +81,5 @@ def _strategy(model):
     return strategy
 
 
-def _engine(backend):
-    return importlib.import_module(f"kdpemb.distribute._{backend}_engine")
+def _backend(backend):
+    return importlib.import_module(f"kdpemb.distribute._{backend}_backend")

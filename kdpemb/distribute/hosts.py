@@ -14,7 +14,7 @@ no single host may choose alone:
 
 The transport is the engine's own collective (`jax.experimental.
 multihost_utils` on JAX, the `tf.distribute` strategy's all-reduce on
-TensorFlow), in `kdpemb.distribute._jax_engine` and `_tensorflow_engine`.
+TensorFlow), in `kdpemb.distribute._jax_backend` and `_tensorflow_backend`.
 Every host must make the same calls in the same order, which the same
 training script on every host does.
 
