@@ -19,7 +19,7 @@ from kdpemb import _validation as validation
 from kdpemb.data import round_size
 from kdpemb.errors import DataDependentScheduleWarning
 from kdpemb.privacy import Schedule, mechanisms
-from kdpemb.privacy.schedule import rounds_per_epoch_for
+from kdpemb.privacy.schedule import epoch_rounds
 
 SAMPLINGS = ("poisson", "fixed", "epochs")
 CLIENT_ORDERS = ("shuffled", "fixed")
@@ -198,50 +198,18 @@ class RoundSettings:
 
     def _check_epoch_rounds(self, clients_per_round, rounds_per_epoch):
         """R, the public number of rounds per epoch, for sampling='epochs'."""
-        pool = self.num_clients
         if clients_per_round is not None:
             clients_per_round = self._check_clients_per_round(clients_per_round)
-        if rounds_per_epoch is None:
-            if clients_per_round is None:
-                raise ValueError(
-                    "sampling='epochs' needs clients_per_round (M: an epoch is "
-                    "then R = ceil(P / M) rounds) or rounds_per_epoch (R, a "
-                    "public number). Pass one of them."
-                )
-            rounds = rounds_per_epoch_for(pool, clients_per_round)
-            if self.users_per_client == 1:
-                warnings.warn(
-                    f"sampling='epochs' with one user per virtual client: the "
-                    f"epoch's R = ceil(N / M) = {rounds} rounds derives from "
-                    f"the private user count N = {pool}, and every user's round "
-                    "depends on R, so one user more or less can move everyone. "
-                    "Pass rounds_per_epoch from a public count.",
-                    DataDependentScheduleWarning,
-                    stacklevel=5,
-                )
-        else:
-            rounds = validation.check_positive_int(rounds_per_epoch, "rounds_per_epoch")
-            if clients_per_round is not None:
-                implied = rounds_per_epoch_for(pool, clients_per_round)
-                if implied != rounds:
-                    raise ValueError(
-                        f"clients_per_round={clients_per_round:g} and "
-                        f"rounds_per_epoch={rounds} disagree: {pool} virtual "
-                        f"clients in {rounds} rounds make {pool / rounds:.4g} "
-                        f"per round, and clients_per_round={clients_per_round:g} "
-                        f"makes ceil(P / M) = {implied} rounds. Pass only one "
-                        "of them."
-                    )
-        if rounds > pool:
-            given = (
-                f"rounds_per_epoch={rounds}"
-                if rounds_per_epoch is not None
-                else f"clients_per_round={clients_per_round:g} (R = {rounds} rounds)"
-            )
-            raise ValueError(
-                f"{given}: an epoch of {rounds} rounds over {pool} virtual "
-                f"clients would leave some rounds always empty. Use at most "
-                f"rounds_per_epoch={pool} (clients_per_round >= 1)."
+        rounds = epoch_rounds(self.num_clients, clients_per_round, rounds_per_epoch)
+        if rounds_per_epoch is None and self.users_per_client == 1:
+            warnings.warn(
+                f"sampling='epochs' with one user per virtual client: the "
+                f"epoch's R = ceil(N / M) = {rounds} rounds derives from "
+                f"the private user count N = {self.num_clients}, and every "
+                "user's round depends on R, so one user more or less can move "
+                "everyone. Pass rounds_per_epoch from a public count.",
+                DataDependentScheduleWarning,
+                stacklevel=5,
             )
         return rounds
 

@@ -46,6 +46,53 @@ def rounds_per_epoch_for(pool_size, clients_per_round):
     return math.ceil(ratio)
 
 
+def epoch_rounds(pool_size, clients_per_round=None, rounds_per_epoch=None):
+    """R, the public number of rounds of an epoch without sampling.
+
+    `sampling="epochs"` takes `rounds_per_epoch` (R), or `clients_per_round`
+    (M, for R = ceil(P / M)), or both when they agree. An epoch of more
+    rounds than the P virtual clients is refused: some rounds would always
+    be empty. M is checked (> 0, <= P) by the caller, which knows how to
+    name P.
+
+    >>> epoch_rounds(20, clients_per_round=3), epoch_rounds(20, None, 7)
+    (7, 7)
+    """
+    if rounds_per_epoch is None:
+        if clients_per_round is None:
+            raise ValueError(
+                "sampling='epochs' needs clients_per_round (M: an epoch is "
+                "then R = ceil(P / M) rounds) or rounds_per_epoch (R, a "
+                "public number). Pass one of them."
+            )
+        rounds = rounds_per_epoch_for(pool_size, clients_per_round)
+    else:
+        rounds = validation.check_positive_int(rounds_per_epoch, "rounds_per_epoch")
+        if clients_per_round is not None:
+            implied = rounds_per_epoch_for(pool_size, clients_per_round)
+            if implied != rounds:
+                raise ValueError(
+                    f"clients_per_round={clients_per_round:g} and "
+                    f"rounds_per_epoch={rounds} disagree: {pool_size} virtual "
+                    f"clients in {rounds} rounds make {pool_size / rounds:.4g} "
+                    f"per round, and clients_per_round={clients_per_round:g} "
+                    f"makes ceil(P / M) = {implied} rounds. Pass only one "
+                    "of them."
+                )
+    if rounds > pool_size:
+        given = (
+            f"rounds_per_epoch={rounds}"
+            if rounds_per_epoch is not None
+            else f"clients_per_round={clients_per_round:g} (R = {rounds} rounds)"
+        )
+        raise ValueError(
+            f"{given}: an epoch of {rounds} rounds over {pool_size} virtual "
+            f"clients would leave some rounds always empty. Use at most "
+            f"rounds_per_epoch={pool_size} (clients_per_round >= 1)."
+        )
+    return rounds
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Population, pool, expected sample, sampling and steps per round.
@@ -206,44 +253,20 @@ class Schedule:
         )
         if sampling == "full_batch" and clients_per_round is None:
             clients_per_round = pool
-        if sampling == "epochs" and rounds_per_epoch is not None:
-            rounds_per_epoch = validation.check_positive_int(
-                rounds_per_epoch, "rounds_per_epoch"
+        if sampling != "epochs" or clients_per_round is not None:
+            clients_per_round = validation.check_positive(
+                clients_per_round, "clients_per_round"
             )
-            implied = pool / rounds_per_epoch
-            if clients_per_round is not None:
-                given = validation.check_positive(
-                    clients_per_round, "clients_per_round"
+            if clients_per_round > pool:
+                raise ValueError(
+                    f"clients_per_round={clients_per_round:g} is more than the "
+                    f"{pool} virtual clients that {num_users} users with "
+                    f"users_per_client={users_per_client} make. Use at most "
+                    f"{pool} clients per round, or fewer users per client."
                 )
-                if rounds_per_epoch_for(pool, given) != rounds_per_epoch:
-                    raise ValueError(
-                        f"clients_per_round={given:g} and rounds_per_epoch="
-                        f"{rounds_per_epoch} disagree: {pool} virtual clients in "
-                        f"{rounds_per_epoch} rounds are {implied:.4g} per round. "
-                        "Pass only one."
-                    )
-            clients_per_round = implied
-        clients_per_round = validation.check_positive(
-            clients_per_round, "clients_per_round"
-        )
-        if clients_per_round > pool:
-            raise ValueError(
-                f"clients_per_round={clients_per_round:g} is more than the "
-                f"{pool} virtual clients that {num_users} users with "
-                f"users_per_client={users_per_client} make. Use at most {pool} "
-                "clients per round, or fewer users per client."
-            )
         steps_per_epoch = None
         if sampling == "epochs":
-            steps_per_epoch = rounds_per_epoch or rounds_per_epoch_for(
-                pool, clients_per_round
-            )
-            if steps_per_epoch > pool:
-                raise ValueError(
-                    f"rounds_per_epoch={steps_per_epoch} is more than the {pool} "
-                    "virtual clients: some rounds would always be empty. Use "
-                    f"at most {pool}."
-                )
+            steps_per_epoch = epoch_rounds(pool, clients_per_round, rounds_per_epoch)
             clients_per_round = pool / steps_per_epoch
         elif rounds_per_epoch is not None:
             raise ValueError(
