@@ -60,6 +60,12 @@ MOVED_MODULES = {
 }
 
 
+# Names of a moved module that went elsewhere than the module itself.
+MOVED_ELSEWHERE = {
+    "kdpemb.data.sources": {"read_source": "kdpemb.data.virtual_clients"},
+}
+
+
 def warn_moved(old, new):
     """Warns, at the caller of the caller, that `old` is now `new`."""
     warnings.warn(f"{old} is now {new}; {NEXT}", DeprecationWarning, stacklevel=3)
@@ -97,7 +103,13 @@ class _OldPath(types.ModuleType):
     """A module at an old path: every name is read from the new module."""
 
     def __getattr__(self, name):
-        new = MOVED_MODULES[self.__name__]
+        new = MOVED_ELSEWHERE.get(self.__name__, {}).get(name)
+        new = new or MOVED_MODULES[self.__name__]
+        if name == "__all__":  # `from old import *` gives the new names.
+            module = importlib.import_module(new)
+            return getattr(
+                module, "__all__", [n for n in vars(module) if not n.startswith("_")]
+            )
         if name.startswith("__"):
             raise AttributeError(name)
         module = importlib.import_module(new)
@@ -112,6 +124,19 @@ class _OldPath(types.ModuleType):
                 stacklevel=2,
             )
         return getattr(module, name)
+
+    def __setattr__(self, name, value):
+        # Patching an old path would change nothing that runs: refused.
+        # (An old submodule is bound here by the import system: kept here.)
+        if name.startswith("__") or isinstance(value, _OldPath):
+            super().__setattr__(name, value)
+            return
+        new = MOVED_ELSEWHERE.get(self.__name__, {}).get(name)
+        raise AttributeError(
+            f"{self.__name__} is an old path, read from "
+            f"{new or MOVED_MODULES[self.__name__]}: set {name} there (that "
+            "module is the one that runs)."
+        )
 
     def __dir__(self):
         return dir(importlib.import_module(MOVED_MODULES[self.__name__]))

@@ -18,6 +18,7 @@ MOVED_NAMES = [
     ("kdpemb.privacy.mechanisms", "GaussianRelease", "kdpemb.privacy.gaussian_release"),
     (SHARDS, "UserShards", "kdpemb.datasets.user_shards_reader"),
     (SHARDS, "write_user_shards", "kdpemb.datasets.user_shards_writer"),
+    ("kdpemb.data.sources", "read_source", "kdpemb.data.virtual_clients"),
 ]  # fmt: skip
 
 
@@ -81,3 +82,25 @@ def test_every_old_path_is_served_by_the_finder_and_every_new_path_exists():
         assert importlib.util.find_spec(new) is not None, new
         # No file is left at an old path (it would hide the redirect).
         assert isinstance(importlib.util.find_spec(old).loader, OldPathFinder), old
+
+
+def test_patching_an_old_path_is_refused_with_the_module_that_runs(monkeypatch):
+    # Setting a name on an old path would change nothing that runs.
+    old = importlib.import_module("kdpemb.models.privacy_plan")
+    new = importlib.import_module("kdpemb.models._shared.privacy_plan")
+    rtol = new.PLAN_RTOL
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(AttributeError, match=r"kdpemb\.models\._shared\."):
+            monkeypatch.setattr(old, "PLAN_RTOL", 0.5)
+    assert rtol == new.PLAN_RTOL
+
+
+def test_a_star_import_of_an_old_path_gives_the_new_public_names():
+    namespace = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exec("from kdpemb.models.dp_model import *", namespace)
+    from kdpemb.models.dp_sgd import DPModel
+
+    assert namespace["DPModel"] is DPModel

@@ -208,6 +208,16 @@ def test_a_refused_first_fit_keeps_the_given_plan_and_no_calibration():
     assert model.planned_steps == 20 and model.calibrated_noise_multiplier > 0
 
 
+def test_a_given_plan_that_misses_its_target_is_refused_and_keeps_no_schedule():
+    x, y = data(n=64)
+    model = DPModel(mlp(), target_epsilon=2.0, delta=1e-3, planned_steps=8,
+                    calibrated_noise_multiplier=0.2)  # fmt: skip
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(ValueError, match=r"more than its target_epsilon=2\.0"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.schedule is None and protocol.read_private_steps(model) == 0
+
+
 def test_fixed_size_sampling_is_accounted_as_replace_one_with_rdp():
     from kdpemb.callbacks import PrivacyBudget
     from kdpemb.errors import UnsupportedMechanismError

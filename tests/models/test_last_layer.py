@@ -963,6 +963,50 @@ def test_a_fit_past_the_target_epsilon_is_refused_before_any_step(
         assert fitted.privacy_statement().epsilon == pytest.approx(spent, rel=1e-9)
 
 
+class RestoresSteps(keras.callbacks.Callback):
+    """Restores 3 private steps at train begin (as `BackupAndRestore`
+    restores a crashed run's)."""
+
+    def on_train_begin(self, logs=None):
+        self.model.private_steps.assign(3)
+
+
+@pytest.mark.parametrize(("method", "batch_size", "epochs"), TARGET_CASES)
+def test_steps_a_callback_restores_at_train_begin_are_refused_and_unplanned(
+    method, batch_size, epochs
+):
+    # Steps restored into a classifier whose first fit just calibrated
+    # were taken at a noise its plan does not know (before the fix they
+    # were added to the plan's: ε went past the target unnoticed).
+    features, labels = make_data(n=40, dim=4, num_classes=3, seed=43)
+    model = make_model(
+        3, method, target_epsilon=0.5, delta=DELTA, seed=None,
+        **private_settings(method),
+    )  # fmt: skip
+    model.build(features.shape)
+    weights = [ref.to_numpy(w) for w in model.trainable_weights]
+    with pytest.raises(ValueError, match="restored 3 private steps"):
+        model.fit(features, labels, batch_size=batch_size, epochs=epochs,
+                  verbose=0, callbacks=[RestoresSteps()])  # fmt: skip
+    assert steps_of(model) == 3  # Restored, and none taken.
+    for before, after in zip(weights, model.trainable_weights, strict=True):
+        np.testing.assert_array_equal(ref.to_numpy(after), before)
+    assert model.schedule is None and model.planned_steps is None
+    assert model.calibrated_noise_multiplier is None is model.noise_multiplier
+
+
+def test_a_loaded_plan_that_misses_its_target_is_refused_before_a_step():
+    features, labels = make_data(n=40, dim=4, num_classes=3, seed=44)
+    schedule = privacy.Schedule.examples(40, 10).get_config()
+    model = make_model(
+        3, "dp-sgd", target_epsilon=0.5, delta=DELTA, seed=None, schedule=schedule,
+        planned_steps=8, calibrated_noise_multiplier=0.3, clip_norm=1.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"more than its target_epsilon=0\.5"):
+        model.fit(features, labels, batch_size=10, epochs=1, verbose=0)
+    assert steps_of(model) == 0
+
+
 def test_a_classifier_with_a_fixed_noise_multiplier_may_fit_again():
     # Without a target there is no budget to exceed: ε grows with the steps.
     features, labels = make_data(n=40, dim=4, num_classes=3, seed=42)

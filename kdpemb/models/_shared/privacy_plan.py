@@ -188,10 +188,14 @@ def is_verbose(arguments):
     return any(getattr(callback, "shows_progress", False) for callback in callbacks)
 
 
-def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner, noun="rounds"):
+def calibrate(
+    mechanism, planned, target_epsilon, delta, verbose, owner, noun="rounds",
+    shown=float,
+):  # fmt: skip
     """The noise multiplier of `mechanism` that spends `target_epsilon` at
     `delta` over `planned` steps (`kdpemb.privacy.calibrate_noise_multiplier`);
-    prints a line before and after when `verbose`."""
+    prints a line before and after when `verbose` (the multiplier as
+    `shown(z)` makes it the model's)."""
     if verbose:
         print(
             f"{owner}: calibrating the noise for ε = {target_epsilon:g} at "
@@ -202,7 +206,7 @@ def calibrate(mechanism, planned, target_epsilon, delta, verbose, owner, noun="r
         mechanism, planned, delta, target_epsilon=target_epsilon
     )
     if verbose:
-        print(f"{owner}: noise multiplier {z:.4g}.", flush=True)
+        print(f"{owner}: noise multiplier {shown(z):.4g}.", flush=True)
     return float(z)
 
 
@@ -256,7 +260,9 @@ def refuse_unplanned_steps(model, noun="steps", remedy=""):
         )
 
 
-def calibrate_first_plan(model, unit_mechanism, steps, verbose, noun="steps"):
+def calibrate_first_plan(
+    model, unit_mechanism, steps, verbose, noun="steps", shown=float
+):
     """The first fit's plan of a model with a `target_epsilon`:
     `(planned_steps, z)`, the steps planned (the model's `planned_steps`,
     or this fit's `steps`) and the noise multiplier of `unit_mechanism`
@@ -274,7 +280,7 @@ def calibrate_first_plan(model, unit_mechanism, steps, verbose, noun="steps"):
             f"or build a new {cls} with a larger planned_steps."
         )
     z = calibrate(unit_mechanism, planned, model.target_epsilon, model.delta,
-                  verbose, cls, noun)  # fmt: skip
+                  verbose, cls, noun, shown)  # fmt: skip
     return planned, z
 
 
@@ -320,9 +326,15 @@ def plan_steps(model, schedule, steps, verbose):
         )
         adopt_first_plan(model, planned, z)
         calibrated = True
-    if model.schedule is None:
+    adopted = model.schedule is None
+    if adopted:
         frozen_settings.adopt_plan(model, schedule=schedule)
-    check_later_fit(model, steps)
+    try:
+        check_later_fit(model, steps)
+    except Exception:
+        if adopted:  # A refused first fit keeps no schedule.
+            frozen_settings.adopt_plan(model, schedule=None)
+        raise
     return calibrated
 
 

@@ -14,6 +14,11 @@ Example:
 ('dp-sgd', 'dp-ls', 'dp-newton', 'dp-fc')
 """
 
+# The settings' choices, importable here as before the package.
+from kdpemb.models.last_layer.last_layer_classifier import HEAD_INITS as HEAD_INITS
+from kdpemb.models.last_layer.last_layer_classifier import (
+    METHOD_CLASSES as METHOD_CLASSES,
+)
 from kdpemb.models.last_layer.last_layer_classifier import METHODS as METHODS
 from kdpemb.models.last_layer.last_layer_classifier import (
     ClipFeatures,

@@ -58,8 +58,9 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=Fals
     calibrated = None
     if model.target_epsilon is not None:
         _, z = privacy_plan.calibrate_first_plan(
-            model, method.mechanism(1.0, schedule, planned), planned, verbose
-        )
+            model, method.mechanism(1.0, schedule, planned), planned, verbose,
+            shown=method.noise_multiplier_of,
+        )  # fmt: skip
         calibrated = method.noise_multiplier_of(z)
     plan = (schedule, planned, None if calibrated is None else float(calibrated))
     return steps_per_epoch, plan

@@ -343,6 +343,8 @@ def fit_loop(model, step, epochs, initial_epoch, verbose, callbacks):
     )
     model.stop_training = False
     callback_list.on_train_begin()
+    # A callback (BackupAndRestore) may have restored a later start.
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
     logs = {}
     for epoch in range(initial_epoch, epochs):
         callback_list.on_epoch_begin(epoch)
