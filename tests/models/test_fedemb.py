@@ -123,6 +123,32 @@ def test_rounds_equal_hand_written_federated_averaging(settings, client_parallel
     assert int(weights_of(model.private_steps)) == 2
 
 
+def test_a_server_learning_rate_schedule_scales_each_rounds_update():
+    # Any Keras LearningRateSchedule on the server optimizer is indexed by
+    # rounds (the server optimizer takes one step a round): here 1.0 in
+    # the first round, then 0.25, as warm-up or cosine decay would be.
+    backbone = ref.linear_backbone(seed=1)
+    model = make_model(backbone, compile=False)
+    rates = keras.optimizers.schedules.PiecewiseConstantDecay([0], [1.0, 0.25])
+    model.compile(optimizer=keras.optimizers.SGD(rates))
+    rounds = [ref.make_round(seed, classes=(3, 2), steps=3) for seed in (10, 11)]
+    kernel = ref.kernel_of(backbone)
+    fit_rounds(model, rounds)
+
+    expected = kernel.astype(np.float64)
+    for rate, data in zip((1.0, 0.25), rounds, strict=True):
+        total = 0.0
+        for client in ref.client_rows(data):
+            head = np.zeros((3, client["num_local_classes"]))
+            update, _ = ref.client_update(
+                expected, head, client, lr=0.2, head_lr_scale=5.0
+            )
+            total = total + update
+        expected = expected + rate * total / 2.5
+    np.testing.assert_allclose(ref.kernel_of(backbone), expected, rtol=2e-4, atol=1e-6)
+    assert int(weights_of(model.optimizer.iterations)) == 2
+
+
 def test_partial_aggregation_shares_only_the_backbone():
     backbone = ref.linear_backbone()
     model = make_model(backbone, compile=False)
