@@ -226,3 +226,50 @@ def test_scale_benchmark_pins_each_process_to_its_share_of_the_cores():
     assert [n for _, n, _ in scale._jobs(scale.QUICK, "tensorflow")] == [1, 2, 4, 1]
     figures = scale.reader_figures("x", {"num_images": 5, "a [MiB]": 1.5, "b": "s"})
     assert figures == {"x: a [MiB]": 1.5}  # Every number when none is known.
+
+
+def test_the_utility_study_pairs_each_seed_with_the_centralized_run():
+    from benchmarks.fedemb_utility import paired_ratios
+
+    runs = [
+        {"method": "centralized", "seed": s, "recall@far=0.001": v}
+        for s, v in ((0, 0.5), (1, 0.4), (2, 0.8), (4, 0.0))  # Seed 4: no ratio.
+    ]
+    runs += [
+        {"method": "DP-FedEmb", "seed": s, "recall@far=0.001": v}
+        for s, v in ((0, 0.45), (1, 0.4), (2, 0.4), (3, 0.9), (4, 0.2))  # 3: alone.
+    ]
+    (row,) = paired_ratios(runs)
+    assert row["method"] == "DP-FedEmb"
+    assert row["ratios"] == pytest.approx([0.9, 1.0, 0.5])
+    assert row["mean"] == pytest.approx(0.8)
+    # t(0.975, 2 df) = 4.303; the sample std of (0.9, 1.0, 0.5) is 0.2646.
+    half = 4.303 * math.sqrt(0.07) / math.sqrt(3)
+    low, high = row["interval95"]
+    assert (low, high) == pytest.approx((0.8 - half, 0.8 + half), rel=1e-4)
+
+
+def test_the_utility_study_validates_on_identities_it_neither_trains_nor_reports():
+    import numpy as np
+
+    from benchmarks.fedemb_utility import QUICK, Study, StudyConfig
+
+    # Identity k of a split is identity first_identity + k of the seed:
+    # the three ranges must not meet, at the study's size and the quick one.
+    for config in (StudyConfig(), QUICK):
+        ranges = sorted(
+            [
+                (0, config.private_identities),
+                (config.eval_first_identity, config.eval_identities),
+                (config.val_first_identity, config.val_identities),
+            ]
+        )
+        for (start, count), (next_start, _) in itertools.pairwise(ranges):
+            assert start + count <= next_start, ranges
+    study = Study(QUICK, seed=0)
+    assert len(set(study.validation[1])) == QUICK.val_identities
+    # Other identities, so other images (the labels restart at 0 in each).
+    first = [split[0][split[1] == 0][0] for split in (
+        study.validation, study.held_out, study.private[:2])]  # fmt: skip
+    for a, b in itertools.combinations(first, 2):
+        assert not np.array_equal(a, b)
