@@ -28,6 +28,7 @@ pairs of held-out private-domain identities (never trained on):
     python -m benchmarks.fedemb_utility            # the study (GPU: minutes)
     python -m benchmarks.fedemb_utility --quick    # smoke test (seconds)
     python -m benchmarks.fedemb_utility --seeds 0 --methods centralized
+    python -m benchmarks.fedemb_utility --set curve_points=10 --curves curves.png
 
 Every run is evaluated on two sets of identities that no method trains
 on: the validation identities (`val recall@far=…`, for choosing
@@ -115,6 +116,9 @@ class StudyConfig:
     deployment_scale: float = 256.0
     deployment_users: int = 10_000_000
     seeds: tuple = (0, 1, 2)
+    # Convergence curves: Recall@FAR on the validation identities about
+    # this many times along each run (0: only at the end).
+    curve_points: int = 0
 
 
 QUICK = StudyConfig(
@@ -263,14 +267,17 @@ class Study:
             optimizer=keras.optimizers.Adam(learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-        model.fit(
+        curve = self.curve(cfg, cfg.centralized_epochs, backbone)
+        history = model.fit(
             self.private[0],
             self.private[1],
             batch_size=cfg.centralized_batch,
             epochs=cfg.centralized_epochs,
             verbose=0,
+            callbacks=curve,
         )
-        return backbone, {"examples": cfg.centralized_epochs * len(self.private[1])}
+        info = {"examples": cfg.centralized_epochs * len(self.private[1])}
+        return backbone, {**info, **self.curve_of(history, curve, "epochs", 1)}
 
     def _pool(self, cfg):
         return -(-cfg.private_identities // cfg.users_per_client)
@@ -372,8 +379,11 @@ class Study:
                 seed=self.seed,
             )
         model.compile(optimizer=self._server(cfg))
-        model.fit(clients, epochs=cfg.rounds // rounds_per_epoch, verbose=0)
+        epochs = cfg.rounds // rounds_per_epoch
+        curve = self.curve(cfg, epochs, model.backbone)
+        history = model.fit(clients, epochs=epochs, verbose=0, callbacks=curve)
         info.update(rounds=cfg.rounds, **{"noise multiplier": noise_multiplier})
+        info.update(self.curve_of(history, curve, "rounds", rounds_per_epoch))
         return model.backbone, info
 
     def _server(self, cfg):
@@ -390,6 +400,9 @@ class Study:
         from kdpemb.models import FedEmbModel
 
         cfg = dataclasses.replace(self.config, **overrides)
+        # Epochs only to evaluate the curve: with Poisson sampling, an
+        # epoch is a count of rounds.
+        epochs = self.curve_epochs(cfg)
         images, labels, users = self.private
         with warnings.catch_warnings():
             # Fixed seeds void the guarantee; a benchmark wants them.
@@ -403,7 +416,7 @@ class Study:
                 num_clients=-(-cfg.private_identities // cfg.users_per_client),
                 local_steps=cfg.local_steps,
                 batch_size=cfg.client_batch,
-                rounds_per_epoch=cfg.rounds,
+                rounds_per_epoch=cfg.rounds // epochs,
                 seed=self.seed,
             )
             model = FedEmbModel(
@@ -425,13 +438,51 @@ class Study:
                 seed=self.seed,
             )
         model.compile(optimizer=self._server(cfg))
-        model.fit(clients, epochs=1, verbose=0)
+        curve = self.curve(cfg, epochs, model.backbone)
+        history = model.fit(clients, epochs=epochs, verbose=0, callbacks=curve)
         info = {"rounds": cfg.rounds}
+        info.update(self.curve_of(history, curve, "rounds", cfg.rounds // epochs))
         if private and cfg.adaptive_quantile:
             info["final clip norm"] = float(model.current_clip_norm.numpy())
         if private:
             info.update(self.deployment(model, cfg))
         return model.backbone, info
+
+    def curve_epochs(self, cfg):
+        """FedEmb's epochs: `curve_points` of them when they divide the
+        rounds (else the nearest divisor), or 1."""
+        if not cfg.curve_points:
+            return 1
+        divisors = [e for e in range(1, cfg.rounds + 1) if cfg.rounds % e == 0]
+        return min(divisors, key=lambda e: abs(e - cfg.curve_points))
+
+    def curve(self, cfg, epochs, backbone):
+        """The callbacks that evaluate the validation identities along a run
+        of `epochs` epochs (about `curve_points` times; none for 0)."""
+        if not cfg.curve_points:
+            return []
+        from kdpemb.callbacks import RecallAtFAR
+
+        every = max(1, epochs // cfg.curve_points)
+        return [RecallAtFAR(self.validation, far=FARS, every_n_epochs=every,
+                            backbone=backbone)]  # fmt: skip
+
+    @staticmethod
+    def curve_of(history, curve, unit, per_epoch):
+        """`{"curve": [[x, val recall@1e-3, val recall@1e-2], ...], "curve
+        unit": unit}` from a fit's history: the callback logs every
+        `every_n_epochs`-th epoch, so its i-th value is of epoch
+        (i + 1) · every, at x = that many epochs × `per_epoch`."""
+        if not curve:
+            return {}
+        every = curve[0].every_n_epochs
+        keys = [f"recall@far={far:.0e}" for far in FARS]
+        values = [history.history.get(key, []) for key in keys]
+        points = [
+            [(i + 1) * every * per_epoch, *(float(v[i]) for v in values)]
+            for i in range(len(values[0]))
+        ]
+        return {"curve": points, "curve unit": unit}
 
     def deployment(self, model, cfg):
         delta = 0.1 / cfg.deployment_users
@@ -480,7 +531,8 @@ def summarize(records):
         key = tuple(
             (k, v)
             for k, v in record.items()
-            if k not in ("seed", "seconds", "final clip norm", "noise multiplier")
+            if k
+            not in ("seed", "seconds", "final clip norm", "noise multiplier", "curve")
             and not k.startswith(("recall", "val recall", "deploy"))
         )
         groups.setdefault(key, []).append(record)
@@ -529,7 +581,8 @@ def paired_ratios(records, reference="centralized", key="recall@far=0.001"):
         label = tuple(
             (k, v)
             for k, v in record.items()
-            if k not in ("seed", "seconds", "final clip norm", "noise multiplier")
+            if k
+            not in ("seed", "seconds", "final clip norm", "noise multiplier", "curve")
             and not k.startswith(("recall", "val recall", "deploy"))
         )
         groups.setdefault(label, []).append(record[key] / base[record["seed"]])
@@ -551,6 +604,39 @@ def paired_ratios(records, reference="centralized", key="recall@far=0.001"):
     return rows
 
 
+def plot_curves(records, path):
+    """Writes the validation curves of `records` (those with a "curve") to
+    the PNG `path`: Recall@FAR=1e-3 and 1e-2 against epochs (the
+    centralized baseline) or rounds (the federated methods), one line per
+    method and seed. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in records if r.get("curve")]
+    units = sorted({r["curve unit"] for r in runs})
+    figure, axes = plt.subplots(
+        len(FARS), max(1, len(units)), figsize=(5 * max(1, len(units)), 7),
+        squeeze=False,
+    )  # fmt: skip
+    for column, unit in enumerate(units):
+        for row, far in enumerate(FARS):
+            axis = axes[row][column]
+            for run in (r for r in runs if r["curve unit"] == unit):
+                x = [point[0] for point in run["curve"]]
+                y = [point[1 + row] for point in run["curve"]]
+                label = f"{run['method']} (seed {run['seed']})"
+                axis.plot(x, y, marker=".", label=label)
+            axis.set_xlabel(unit)
+            axis.set_ylabel(f"validation Recall@FAR={far:g}")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -566,6 +652,9 @@ def main(argv=None):
         help="extra DP-FedEmb runs, e.g. users_per_client=1,16 local_steps=1,8",
     )
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--curves", default=None, help="PNG of the validation curves (curve_points)"
+    )
     parser.add_argument(
         "--pretrained-cache", default=None, help=".npz of the pretrained weights"
     )
@@ -591,6 +680,8 @@ def main(argv=None):
     for key in (f"recall@far={far:g}" for far in FARS):
         for row in paired_ratios(records, key=key):
             _log({"ratio to centralized": row})
+    if args.curves:
+        plot_curves(records, args.curves)
     if args.output:
         with open(args.output, "w") as file:
             json.dump(

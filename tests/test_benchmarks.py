@@ -273,3 +273,31 @@ def test_the_utility_study_validates_on_identities_it_neither_trains_nor_reports
         study.validation, study.held_out, study.private[:2])]  # fmt: skip
     for a, b in itertools.combinations(first, 2):
         assert not np.array_equal(a, b)
+
+
+def test_the_utility_study_places_each_curve_point_at_its_epoch(tmp_path):
+    from benchmarks.fedemb_utility import Study, plot_curves
+
+    class Logged:  # A fit's History with the callback's every-2-epochs keys.
+        def __init__(self):
+            self.history = {
+                "recall@far=1e-03": [0.1, 0.3],
+                "recall@far=1e-02": [0.2, 0.5],
+            }
+
+    class Callback:
+        every_n_epochs = 2
+
+    info = Study.curve_of(Logged(), [Callback()], "rounds", per_epoch=5)
+    # Epochs 2 and 4 of 5 rounds each: rounds 10 and 20.
+    assert info == {"curve": [[10, 0.1, 0.2], [20, 0.3, 0.5]], "curve unit": "rounds"}
+    assert Study.curve_of(Logged(), [], "rounds", 5) == {}
+    records = [
+        {"method": "DP-FedEmb", "seed": 0, **info},
+        {"method": "centralized", "seed": 0, "curve": [[1, 0.2, 0.4]],
+         "curve unit": "epochs"},
+        {"method": "public-pretrained", "seed": 0},
+    ]  # fmt: skip
+    path = tmp_path / "curves.png"
+    plot_curves(records, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
