@@ -381,7 +381,11 @@ class Study:
         model.compile(optimizer=self._server(cfg))
         epochs = cfg.rounds // rounds_per_epoch
         curve = self.curve(cfg, epochs, model.backbone)
-        history = model.fit(clients, epochs=epochs, verbose=0, callbacks=curve)
+        # Rounds in order (Keras would shuffle them within each epoch), so
+        # a run with curves trains on the same order as one without.
+        history = model.fit(
+            clients, epochs=epochs, verbose=0, callbacks=curve, shuffle=False
+        )
         info.update(rounds=cfg.rounds, **{"noise multiplier": noise_multiplier})
         info.update(self.curve_of(history, curve, "rounds", rounds_per_epoch))
         return model.backbone, info
@@ -401,7 +405,7 @@ class Study:
 
         cfg = dataclasses.replace(self.config, **overrides)
         # Epochs only to evaluate the curve: with Poisson sampling, an
-        # epoch is a count of rounds.
+        # epoch is a count of rounds (round t is drawn from the seed and t).
         epochs = self.curve_epochs(cfg)
         images, labels, users = self.private
         with warnings.catch_warnings():
@@ -439,7 +443,9 @@ class Study:
             )
         model.compile(optimizer=self._server(cfg))
         curve = self.curve(cfg, epochs, model.backbone)
-        history = model.fit(clients, epochs=epochs, verbose=0, callbacks=curve)
+        history = model.fit(
+            clients, epochs=epochs, verbose=0, callbacks=curve, shuffle=False
+        )  # Rounds in order: the same with and without curves.
         info = {"rounds": cfg.rounds}
         info.update(self.curve_of(history, curve, "rounds", cfg.rounds // epochs))
         if private and cfg.adaptive_quantile:
@@ -475,9 +481,14 @@ class Study:
         (i + 1) · every, at x = that many epochs × `per_epoch`."""
         if not curve:
             return {}
-        every = curve[0].every_n_epochs
-        keys = [f"recall@far={far:.0e}" for far in FARS]
+        every, keys = curve[0].every_n_epochs, curve[0].keys
         values = [history.history.get(key, []) for key in keys]
+        epochs = len(history.epoch)
+        if any(len(v) != epochs // every for v in values):
+            raise ValueError(
+                f"The curve has {[len(v) for v in values]} points for {epochs} "
+                f"epochs evaluated every {every}: the callback's logs were lost."
+            )
         points = [
             [(i + 1) * every * per_epoch, *(float(v[i]) for v in values)]
             for i in range(len(values[0]))
@@ -554,7 +565,8 @@ def summarize(records):
 
 
 # Two-sided 95 % Student t quantiles by degrees of freedom (1-10), for
-# the interval of a mean over a few seeds.
+# the interval of a mean over a few seeds; beyond 10 the value of 10
+# (a slightly wider interval, on the safe side).
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
@@ -614,7 +626,12 @@ def plot_curves(records, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fields = [f.name for f in dataclasses.fields(StudyConfig)]
     runs = [r for r in records if r.get("curve")]
+    if not runs:
+        raise ValueError(
+            "No run has a curve: set curve_points (e.g. --set curve_points=10)."
+        )
     units = sorted({r["curve unit"] for r in runs})
     figure, axes = plt.subplots(
         len(FARS), max(1, len(units)), figsize=(5 * max(1, len(units)), 7),
@@ -626,7 +643,10 @@ def plot_curves(records, path):
             for run in (r for r in runs if r["curve unit"] == unit):
                 x = [point[0] for point in run["curve"]]
                 y = [point[1 + row] for point in run["curve"]]
-                label = f"{run['method']} (seed {run['seed']})"
+                settings = [  # An ablation's overrides tell its runs apart.
+                    f"{k}={run[k]}" for k in fields if k in run and k != "rounds"
+                ]
+                label = " ".join([run["method"], *settings, f"(seed {run['seed']})"])
                 axis.plot(x, y, marker=".", label=label)
             axis.set_xlabel(unit)
             axis.set_ylabel(f"validation Recall@FAR={far:g}")
@@ -677,9 +697,13 @@ def main(argv=None):
     summary = summarize(records)
     for row in summary:
         _log({"summary": row})
-    for key in (f"recall@far={far:g}" for far in FARS):
-        for row in paired_ratios(records, key=key):
-            _log({"ratio to centralized": row})
+    ratios = [
+        row
+        for key in (f"recall@far={far:g}" for far in FARS)
+        for row in paired_ratios(records, key=key)
+    ]
+    for row in ratios:
+        _log({"ratio to centralized": row})
     if args.curves:
         plot_curves(records, args.curves)
     if args.output:
@@ -689,6 +713,7 @@ def main(argv=None):
                     "config": dataclasses.asdict(config),
                     "runs": records,
                     "summary": summary,
+                    "ratios to centralized": ratios,
                 },
                 file,
                 indent=1,

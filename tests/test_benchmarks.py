@@ -276,24 +276,31 @@ def test_the_utility_study_validates_on_identities_it_neither_trains_nor_reports
 
 
 def test_the_utility_study_places_each_curve_point_at_its_epoch(tmp_path):
-    from benchmarks.fedemb_utility import Study, plot_curves
+    import keras
+    import numpy as np
 
-    class Logged:  # A fit's History with the callback's every-2-epochs keys.
-        def __init__(self):
-            self.history = {
-                "recall@far=1e-03": [0.1, 0.3],
-                "recall@far=1e-02": [0.2, 0.5],
-            }
+    from benchmarks.fedemb_utility import FARS, Study, plot_curves
+    from kdpemb.callbacks import RecallAtFAR
 
-    class Callback:
-        every_n_epochs = 2
-
-    info = Study.curve_of(Logged(), [Callback()], "rounds", per_epoch=5)
+    # The real callback, every 2nd of 4 epochs, on a tiny model.
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(60, 8)).astype("float32")
+    labels = np.repeat(np.arange(12), 5)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(loss="mse", optimizer="sgd")
+    curve = [RecallAtFAR((images, labels), far=FARS, every_n_epochs=2)]
+    history = model.fit(images, images[:, :4], epochs=4, verbose=0, callbacks=curve)
+    info = Study.curve_of(history, curve, "rounds", per_epoch=5)
     # Epochs 2 and 4 of 5 rounds each: rounds 10 and 20.
-    assert info == {"curve": [[10, 0.1, 0.2], [20, 0.3, 0.5]], "curve unit": "rounds"}
-    assert Study.curve_of(Logged(), [], "rounds", 5) == {}
+    logged = [history.history[key] for key in curve[0].keys]
+    assert info == {
+        "curve": [[10, logged[0][0], logged[1][0]], [20, logged[0][1], logged[1][1]]],
+        "curve unit": "rounds",
+    }
+    assert Study.curve_of(history, [], "rounds", 5) == {}
     records = [
         {"method": "DP-FedEmb", "seed": 0, **info},
+        {"method": "DP-FedEmb", "seed": 0, "users_per_client": 16, **info},
         {"method": "centralized", "seed": 0, "curve": [[1, 0.2, 0.4]],
          "curve unit": "epochs"},
         {"method": "public-pretrained", "seed": 0},
@@ -301,3 +308,5 @@ def test_the_utility_study_places_each_curve_point_at_its_epoch(tmp_path):
     path = tmp_path / "curves.png"
     plot_curves(records, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="curve_points"):
+        plot_curves(records[-1:], tmp_path / "none.png")
