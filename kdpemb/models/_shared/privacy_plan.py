@@ -31,6 +31,7 @@ Traceback (most recent call last):
 ValueError: Pass exactly one of noise_multiplier and target_epsilon (with delta); got noise_multiplier=1.0, target_epsilon=2.0.
 """  # noqa: E501
 
+import functools
 import inspect
 
 import keras
@@ -420,6 +421,25 @@ class PlanGuard(keras.callbacks.Callback):
             )
         steps = self.steps_of(model._initial_epoch)
         check_budget(model, steps, self.noun)
+
+
+def guard_epochs(model, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated):
+    """`callbacks` with a `PlanGuard` for a fit of `epochs` epochs of
+    `steps_per_epoch` steps from `initial_epoch` (or the epoch a callback
+    restores); `calibrated`: this fit fixed the plan, which the guard undoes
+    (schedule included) if a callback restored steps taken before."""
+
+    def steps_of(start_epoch):
+        return steps_per_epoch * max(0, epochs - (start_epoch or initial_epoch))
+
+    guard = PlanGuard(
+        steps_of,
+        "steps",
+        on_restored_steps=(
+            functools.partial(forget_plan, model, schedule=None) if calibrated else None
+        ),
+    )
+    return with_guard(callbacks, guard, model)
 
 
 def with_guard(callbacks, guard, model):

@@ -13,8 +13,6 @@ the other models. Training logs only `private_steps`: a loss on the
 private batch would be a release without noise.
 """
 
-import functools
-
 import keras
 import numpy as np
 from keras import ops
@@ -299,23 +297,14 @@ class DPModel(FrozenSettings, keras.Model):
         self._build_for(x[:3], y[:3])
         self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 
-        def steps_of(start_epoch):
-            return steps_per_epoch * max(0, epochs - (start_epoch or initial_epoch))
-
+        steps = steps_per_epoch * (epochs - initial_epoch)
         calibrated = privacy_plan.plan_steps(
-            self, schedule, steps_of(initial_epoch), privacy_plan.is_verbose(
+            self, schedule, steps, privacy_plan.is_verbose(
                 {"verbose": verbose, "callbacks": callbacks}),
         )  # fmt: skip
-        guard = privacy_plan.PlanGuard(
-            steps_of,
-            "steps",
-            on_restored_steps=(
-                functools.partial(privacy_plan.forget_plan, self, schedule=None)
-                if calibrated
-                else None
-            ),
+        callbacks = privacy_plan.guard_epochs(
+            self, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated
         )
-        callbacks = privacy_plan.with_guard(callbacks, guard, self)
         private_state.reseed([self.noise_seed], self.seed)
         self._denominator = float(schedule.sample_size)
         seed = (

@@ -16,7 +16,6 @@ This module is the front: settings, the schedule fixed by the first
 `fit`, the privacy budget of a target ε, saving and prediction.
 """
 
-import functools
 import math
 import secrets
 import warnings
@@ -421,22 +420,10 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
 
         # Checked again once the callbacks have begun: one may restore
         # steps (BackupAndRestore); a plan fixed by this fit is then undone.
-        def steps_of(start_epoch):
-            return steps_per_epoch * max(0, epochs - (start_epoch or initial_epoch))
-
-        callbacks = privacy_plan.with_guard(
-            callbacks,
-            privacy_plan.PlanGuard(
-                steps_of,
-                "steps",
-                on_restored_steps=(
-                    functools.partial(privacy_plan.forget_plan, self, schedule=None)
-                    if plan is not None and self.target_epsilon is not None
-                    else None
-                ),
-            ),
-            self,
-        )
+        callbacks = privacy_plan.guard_epochs(
+            self, callbacks, steps_per_epoch, epochs, initial_epoch,
+            calibrated=plan is not None and self.target_epsilon is not None,
+        )  # fmt: skip
         private_state.reseed([self.noise_seed], self.seed)
         if not self._method.sampled:  # One host step per epoch.
             return fit_loop(
