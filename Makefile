@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/train_dp_fedemb.py
+	$(PY) examples/train_dp_fedemb.py --reference
 
 test: lint test-tensorflow test-jax
 

@@ -513,9 +513,10 @@ def run(quick=False):
 def defaults(quick=False, config=None, rounds=None):
     """Non-private FedEmb: server optimizers against head learning-rate scales.
 
-    FedEmbModel's defaults are the server SGD(1.0, momentum=0.9) (compile's
-    default) and head_lr_scale=100 (client SGD(0.01) in every run); the
-    benchmark's own runs use a server Adam(3e-3).
+    FedEmbModel's defaults are head_lr_scale=100 (client SGD(0.01) in every
+    run) and, since 0.2, the server Adam(3e-3) (compile's default, which
+    was SGD(1.0, momentum=0.9) before); the benchmark's own runs use a
+    server Adam(3e-3).
     """
     config = config or (QUICK_UTILITY if quick else UtilityConfig())
     rounds = rounds or config.rounds

@@ -25,10 +25,17 @@ pairs of held-out private-domain identities (never trained on):
   least as noisy as the deployment it stands for, and its recall is a
   conservative estimate of the deployment's.
 
-    python -m benchmarks.fedemb_utility            # the study (GPU: minutes)
-    python -m benchmarks.fedemb_utility --quick    # smoke test (seconds)
+    python -m benchmarks.fedemb_utility --cpu --tune --output tuned.json
+    python -m benchmarks.fedemb_utility --cpu --tuned tuned.json --curves cpu.png
+    KERAS_BACKEND=jax python -m benchmarks.fedemb_utility --gpu-slot  # one H200
+    python -m benchmarks.fedemb_utility --quick      # smoke test (seconds)
     python -m benchmarks.fedemb_utility --seeds 0 --methods centralized
-    python -m benchmarks.fedemb_utility --set curve_points=10 --curves curves.png
+
+`--tune` walks `TUNING_GRID` (written down before the runs) on the
+validation identities; `--tuned` runs every method with what it chose
+(`--tuned builtin`: `CHOSEN`, the CPU study's choice). The centralized
+baseline's head is imprinted from the private users' mean embeddings
+(`CentralizedBaseline.imprint_head`) unless `centralized_head=random`.
 
 Every run is evaluated on two sets of identities that no method trains
 on: the validation identities (`val recall@far=…`, for choosing
@@ -94,19 +101,38 @@ class StudyConfig:
     centralized_lr: float = 1e-3
     centralized_batch: int = 64
     centralized_decay: int = 1  # 1: cosine decay of the learning rate; 0: constant.
+    # The global head's start: "imprint" (each identity's column is the
+    # mean normalised embedding of its images under the pretrained
+    # backbone) or "random". A random 1-of-N head at the start sends large,
+    # uninformative gradients into the pretrained backbone.
+    centralized_head: str = "imprint"
     # FedEmb rounds.
     users_per_client: int = 4
     clients_per_round: int = 64
     local_steps: int = 4
     client_batch: int = 16
     client_lr: float = 0.01
+    client_momentum: float = 0.0
     head_lr_scale: float = 100.0
     reconstruction_steps: int = 0
-    server_optimizer: str = "adam"  # or "sgd" (momentum 0.9)
+    # The local heads' start (DP-FedEmb, DP-FTRL-FedEmb): "random" or
+    # "class_means" (imprinted from the client's own examples).
+    local_head_init: str = "random"
+    server_optimizer: str = "adam"  # or "sgd" (with server_momentum)
     server_lr: float = 1e-3
+    server_momentum: float = 0.9  # "sgd" only.
+    # The server's learning rate over the rounds: linear warm-up from
+    # lr / 20 over the first server_warmup rounds (-1: a tenth of the
+    # rounds), then constant
+    # (server_decay=0) or cosine decay (1), reaching 0 at step `rounds`.
+    server_warmup: int = 0
+    server_decay: int = 0
     rounds: int = 300
     clip_norm: float = 1.0
     noise_multiplier: float = 0.01
+    # > 0: instead of noise_multiplier, the run's z is calibrated so that
+    # the simulated deployment spends this ε (equal ε across k and methods).
+    deployment_epsilon: float = 0.0
     adaptive_quantile: float = 0.0  # > 0: adaptive clipping from clip_norm.
     # DP-FTRL: rounds per epoch (0: the divisor of `rounds` closest to P / M)
     # and the tree's estimator ("standard" or Honaker's "efficient").
@@ -141,8 +167,177 @@ QUICK = StudyConfig(
     rounds=2,
     deployment_scale=4.0,
     deployment_users=1000,
+    deployment_epsilon=8.0,
     seeds=(0,),
 )
+
+
+# The study at a size that a 2-core CPU runs in about a minute a run
+# (16 x 16 images, 1,000 private users): the tables of docs/fedemb.md.
+CPU = StudyConfig(
+    image_size=16,
+    width=16,
+    embedding_dim=32,
+    public_identities=1000,
+    pretrain_epochs=6,
+    private_identities=1000,
+    centralized_epochs=16,
+    clients_per_round=16,
+    rounds=150,
+    curve_points=5,
+    deployment_epsilon=4.0,
+    seeds=(0, 1, 2, 3, 4),
+)
+
+# The tuning grid, written down before any run of the study. `--tune`
+# walks it in order on seed TUNING_SEED. A stage tries each value of one
+# setting for one method, scores every run by its validation
+# Recall@FAR=1e-3 (the test identities are never looked at), and keeps the
+# best value for the stages after it. "fedemb" stages are scored on
+# DP-FedEmb at the deployment ε of `deployment_epsilon` (so a larger k
+# pays its privacy cost in noise) and set every federated method; a
+# method's own stage sets that method only. "server" is
+# "optimizer:learning rate".
+TUNING_SEED = 0
+TUNING_GRID = (
+    ("centralized", "centralized_lr", (1e-3, 3e-3)),
+    ("centralized", "centralized_epochs", (8, 16, 32)),
+    ("fedemb", "local_head_init", ("random", "class_means")),
+    ("fedemb", "server", ("adam:0.003", "sgd:0.3", "sgd:1", "sgd:3")),
+    ("fedemb", "users_per_client", (4, 16, 64)),
+    ("fedemb", "client_momentum", (0.0, 0.9)),
+    ("fedemb", "server_schedule", ("constant", "warmup-cosine")),
+    ("DP-FedEmb", "clip_norm", (0.3, 1.0, 3.0)),
+    ("DP-FedAvg", "server", ("adam:0.003", "sgd:0.3", "sgd:1", "sgd:3")),
+    ("DP-FTRL-FedEmb", "clip_norm", (0.3, 1.0, 3.0)),
+)
+# As first written, the grid also had ("fedemb", "local_steps", (4, 8))
+# after client_momentum and ("DP-FTRL-FedEmb", "server", ("sgd:0.3",
+# "sgd:1", "sgd:3")) before DP-FTRL's clip norm; both were dropped for CPU
+# time before any of their runs (docs/fedemb.md).
+# `--quick --tune`: one stage of each kind, at the quick sizes.
+QUICK_GRID = (
+    ("centralized", "centralized_lr", (1e-3, 3e-3)),
+    ("fedemb", "server", ("adam:0.003", "sgd:1")),
+    ("fedemb", "users_per_client", (2, 4)),
+    ("DP-FedAvg", "server", ("sgd:1",)),
+    ("DP-FTRL-FedEmb", "clip_norm", (1.0,)),
+)
+FEDERATED = ("FedEmb (non-private)", "DP-FedEmb", "DP-FedAvg", "DP-FTRL-FedEmb")
+
+
+# What `--tune` chose on the CPU study (docs/fedemb.md): the settings
+# `--tuned builtin` and `--gpu-slot` run with.
+_SHARED = {
+    "local_head_init": "class_means",
+    "server_optimizer": "adam",
+    "server_lr": 0.003,
+    "users_per_client": 16,
+    "client_momentum": 0.9,
+    "server_warmup": 0,
+    "server_decay": 0,
+}
+CHOSEN = {
+    "centralized": {"centralized_lr": 0.003, "centralized_epochs": 32},
+    "FedEmb (non-private)": dict(_SHARED),
+    "DP-FedEmb": {**_SHARED, "clip_norm": 0.3},
+    "DP-FedAvg": {
+        **{k: v for k, v in _SHARED.items() if k != "local_head_init"},
+        "server_optimizer": "sgd",
+        "server_lr": 3.0,
+    },
+    "DP-FTRL-FedEmb": {**_SHARED, "clip_norm": 0.3},
+}
+
+# `--gpu-slot`: the GPU-scale comparison of one seed with the chosen
+# settings, sized for about 9 minutes on one H200 under JAX.
+GPU_SLOT_METHODS = (
+    "public-pretrained",
+    "centralized",
+    "FedEmb (non-private)",
+    "DP-FedEmb",
+)
+
+
+def gpu_slot(quick=False):
+    """`(config, methods, seeds, chosen)` of `--gpu-slot`: the default
+    (GPU) sizes, or the quick ones, with the validation curves on."""
+    if not CHOSEN:
+        raise ValueError("CHOSEN is empty: run --cpu --tune and fill it in.")
+    base = QUICK if quick else StudyConfig(deployment_epsilon=4.0)
+    config = dataclasses.replace(base, curve_points=base.curve_points or 6)
+    return config, GPU_SLOT_METHODS, (0,), CHOSEN
+
+
+def setting(name, value):
+    """The config overrides of one grid value (`server` and
+    `server_schedule` name two; "warmup-cosine": a tenth of the rounds of
+    warm-up, then cosine decay)."""
+    if name == "server_schedule":
+        if value not in ("constant", "warmup-cosine"):
+            raise ValueError(
+                f"server_schedule={value!r}: use 'constant' or 'warmup-cosine'."
+            )
+        cosine = value == "warmup-cosine"
+        return {"server_warmup": -1 if cosine else 0, "server_decay": int(cosine)}
+    if name == "server":
+        optimizer, _, rate = str(value).partition(":")
+        return {"server_optimizer": optimizer, "server_lr": float(rate)}
+    return {name: value}
+
+
+def tune(config, grid=TUNING_GRID, seed=TUNING_SEED, cache=None, log=None, done=()):
+    """Walks `grid` (see `TUNING_GRID`) on `seed`; returns `{method:
+    overrides}` with the choices for every method and the runs made.
+
+    A value that leaves the method's settings as an earlier run of the
+    walk had them (e.g. the default, or the value chosen before) reuses
+    that run. `done`: records of an earlier, cut-off walk of the same
+    grid; a run whose stage, method and settings match one of them is
+    taken from it instead of being run again."""
+    if not config.deployment_epsilon:
+        raise ValueError(
+            "Tuning needs deployment_epsilon > 0: the DP runs are compared at "
+            "one deployment ε (a larger k costs more ε at the same z)."
+        )
+    log = log or (lambda record: None)
+    log({"grid": grid, "seed": seed})
+    study = Study(config, seed, cache)
+    chosen = {method: {} for method in ("centralized", *FEDERATED)}
+    runs, seen = [], {}
+    for target, name, values in grid:
+        method = "DP-FedEmb" if target == "fedemb" else target
+        scored = []
+        for value in values:
+            overrides = {**chosen[method], **setting(name, value)}
+            label = f"{target}: {name}={value}"
+            earlier = [
+                r for r in done
+                if r.get("tuning") == label and r["method"] == method
+                and r["seed"] == seed
+                and all(r.get(k) == v for k, v in overrides.items())
+            ]  # fmt: skip
+            settings = (method, tuple(sorted(
+                dataclasses.asdict(dataclasses.replace(config, **overrides)).items()
+            )))  # fmt: skip
+            if earlier:
+                record = earlier[-1]
+            elif settings in seen:
+                record = {**seen[settings], "tuning": label}
+            else:
+                record = study.run(method, **overrides)
+                record["tuning"] = label
+            seen[settings] = record
+            runs.append(record)
+            log(record)
+            scored.append((record["val recall@far=0.001"], value))
+        best = max(scored, key=lambda pair: pair[0])[1]
+        for each in FEDERATED if target == "fedemb" else (target,):
+            if each == "DP-FedAvg" and name == "local_head_init":
+                continue  # Its global head starts at random whatever is set.
+            chosen[each].update(setting(name, best))
+        log({"tuned": target, "setting": name, "scores": scored, "best": best})
+    return chosen, runs
 
 
 def _log(record):
@@ -247,16 +442,22 @@ class Study:
         backbone.set_weights(self._pretrained)
         return backbone
 
-    def centralized(self):
+    def centralized(self, **overrides):
         import keras
 
         from kdpemb.models import CentralizedBaseline
 
-        cfg = self.config
+        cfg = dataclasses.replace(self.config, **overrides)
         backbone = self.pretrained()
         model = CentralizedBaseline(
             backbone, cfg.private_identities, head="cosine", head_scale=cfg.head_scale
         )
+        if cfg.centralized_head == "imprint":
+            model.imprint_head(*self.private[:2], batch_size=512)
+        elif cfg.centralized_head != "random":
+            raise ValueError(
+                f"centralized_head={cfg.centralized_head!r}: use 'imprint' or 'random'."
+            )
         steps = cfg.centralized_epochs * -(
             -len(self.private[1]) // cfg.centralized_batch
         )
@@ -308,15 +509,18 @@ class Study:
             users_per_client=k,
             num_clients=pool,
         )
-        target = privacy.simulated_deployment(
-            poisson,
-            cfg.noise_multiplier,
-            cfg.rounds,
-            scale=cfg.deployment_scale,
-            deployment_users=cfg.deployment_users,
-            delta=delta,
-            deployment_clients=deployment_clients,
-        ).deployment.epsilon
+        target = (
+            cfg.deployment_epsilon
+            or privacy.simulated_deployment(
+                poisson,
+                self.noise_multiplier(cfg, poisson),
+                cfg.rounds,
+                scale=cfg.deployment_scale,
+                deployment_users=cfg.deployment_users,
+                delta=delta,
+                deployment_clients=deployment_clients,
+            ).deployment.epsilon
+        )
         rounds_per_epoch = self._ftrl_rounds_per_epoch(cfg)
         clients = cfg.deployment_scale * pool / rounds_per_epoch
         deployment = privacy.Schedule.virtual_clients(
@@ -369,7 +573,8 @@ class Study:
                 self.pretrained(),
                 head="cosine",
                 head_scale=cfg.head_scale,
-                client_optimizer=cfg.client_lr,
+                head_init=cfg.local_head_init,
+                client_optimizer=self._client(cfg),
                 head_lr_scale=cfg.head_lr_scale,
                 reconstruction_steps=cfg.reconstruction_steps,
                 clip_norm=cfg.clip_norm,
@@ -390,12 +595,35 @@ class Study:
         info.update(self.curve_of(history, curve, "rounds", rounds_per_epoch))
         return model.backbone, info
 
-    def _server(self, cfg):
+    @staticmethod
+    def _server(cfg):
+        """The server optimizer of `cfg`: one step per round."""
         import keras
 
+        rate = cfg.server_lr
+        if cfg.server_warmup or cfg.server_decay:
+            warmup = cfg.server_warmup if cfg.server_warmup >= 0 else cfg.rounds // 10
+            warmup = min(warmup, cfg.rounds - 1)
+            rate = keras.optimizers.schedules.CosineDecay(
+                cfg.server_lr / 20 if warmup else cfg.server_lr,
+                # Without decay, a period too long to be seen.
+                decay_steps=cfg.rounds - warmup if cfg.server_decay else 10**9,
+                warmup_target=cfg.server_lr if warmup else None,
+                warmup_steps=warmup,
+            )
         if cfg.server_optimizer == "sgd":
-            return keras.optimizers.SGD(cfg.server_lr, momentum=0.9)
-        return keras.optimizers.Adam(cfg.server_lr)
+            return keras.optimizers.SGD(rate, momentum=cfg.server_momentum)
+        if cfg.server_optimizer == "adam":
+            return keras.optimizers.Adam(rate)
+        raise ValueError(
+            f"server_optimizer={cfg.server_optimizer!r}: use 'sgd' or 'adam'."
+        )
+
+    @staticmethod
+    def _client(cfg):
+        import keras
+
+        return keras.optimizers.SGD(cfg.client_lr, momentum=cfg.client_momentum)
 
     def fedemb(self, aggregation, private, **overrides):
 
@@ -429,11 +657,15 @@ class Study:
                 num_classes=cfg.private_identities if aggregation == "full" else None,
                 head="cosine",
                 head_scale=cfg.head_scale,
-                client_optimizer=cfg.client_lr,
+                # DP-FedAvg's global head starts at random, whatever is set.
+                head_init=cfg.local_head_init if aggregation == "partial" else None,
+                client_optimizer=self._client(cfg),
                 head_lr_scale=cfg.head_lr_scale,
                 reconstruction_steps=cfg.reconstruction_steps,
                 clip_norm=cfg.clip_norm if private else 1e9,
-                noise_multiplier=cfg.noise_multiplier if private else 0.0,
+                noise_multiplier=(
+                    self.noise_multiplier(cfg, clients.schedule) if private else 0.0
+                ),
                 adaptive_clipping=(
                     privacy.AdaptiveClipping(target_quantile=cfg.adaptive_quantile)
                     if private and cfg.adaptive_quantile
@@ -451,8 +683,27 @@ class Study:
         if private and cfg.adaptive_quantile:
             info["final clip norm"] = float(model.current_clip_norm.numpy())
         if private:
+            info["noise multiplier"] = float(model.noise_multiplier)
             info.update(self.deployment(model, cfg))
         return model.backbone, info
+
+    @staticmethod
+    def noise_multiplier(cfg, schedule):
+        """The run's z: `noise_multiplier`, or, with `deployment_epsilon`,
+        the z whose simulated deployment (Poisson rounds) spends that ε."""
+        from kdpemb import privacy
+
+        if not cfg.deployment_epsilon:
+            return cfg.noise_multiplier
+        return privacy.calibrate_run_noise(
+            schedule,
+            cfg.rounds,
+            0.1 / cfg.deployment_users,
+            target_epsilon=cfg.deployment_epsilon,
+            scale=cfg.deployment_scale,
+            deployment_users=cfg.deployment_users,
+            deployment_clients=-(-cfg.deployment_users // cfg.users_per_client),
+        )
 
     def curve_epochs(self, cfg):
         """FedEmb's epochs: `curve_points` of them when they divide the
@@ -518,7 +769,7 @@ class Study:
         elif method == "public-pretrained":
             backbone, info = self.pretrained(), {}
         elif method == "centralized":
-            backbone, info = self.centralized()
+            backbone, info = self.centralized(**overrides)
         elif method == "FedEmb (non-private)":
             backbone, info = self.fedemb("partial", private=False, **overrides)
         elif method == "DP-FedEmb":
@@ -535,17 +786,38 @@ class Study:
         return record
 
 
+_NOT_SETTINGS = (
+    "seed", "seconds", "final clip norm", "noise multiplier", "curve", "tuning"
+)  # fmt: skip
+
+
+def _settings_of(record):
+    """What tells a run's group apart: its method and settings, in the
+    order they came (the first record's order is the row's), but compared
+    whatever the order (runs made apart list them differently)."""
+    return _Settings(
+        (k, v)
+        for k, v in record.items()
+        if k not in _NOT_SETTINGS
+        and not k.startswith(("recall", "val recall", "deploy"))
+    )
+
+
+class _Settings(tuple):
+    """A tuple of (name, value) pairs that equals any order of the same."""
+
+    def __eq__(self, other):
+        return dict(self) == dict(other)
+
+    def __hash__(self):
+        return hash(frozenset(self))
+
+
 def summarize(records):
     """Mean and std over seeds of each method (and each ablation)."""
     groups = {}
     for record in records:
-        key = tuple(
-            (k, v)
-            for k, v in record.items()
-            if k
-            not in ("seed", "seconds", "final clip norm", "noise multiplier", "curve")
-            and not k.startswith(("recall", "val recall", "deploy"))
-        )
+        key = _settings_of(record)
         groups.setdefault(key, []).append(record)
     summary = []
     for key, group in groups.items():
@@ -590,13 +862,7 @@ def paired_ratios(records, reference="centralized", key="recall@far=0.001"):
     for record in records:
         if record["method"] == reference or record["seed"] not in base:
             continue
-        label = tuple(
-            (k, v)
-            for k, v in record.items()
-            if k
-            not in ("seed", "seconds", "final clip norm", "noise multiplier", "curve")
-            and not k.startswith(("recall", "val recall", "deploy"))
-        )
+        label = _settings_of(record)
         groups.setdefault(label, []).append(record[key] / base[record["seed"]])
     rows = []
     for label, ratios in groups.items():
@@ -659,9 +925,19 @@ def plot_curves(records, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    size.add_argument("--cpu", action="store_true", help="the CPU-scale study")
+    parser.add_argument(
+        "--gpu-slot",
+        action="store_true",
+        help="the GPU-scale comparison, seed 0, chosen settings (about 9 "
+        "minutes on one H200; run it with KERAS_BACKEND=jax); writes "
+        "fedemb_gpu_slot.json and "
+        "fedemb_gpu_slot.png unless --output / --curves say otherwise",
+    )
     parser.add_argument("--seeds", type=int, nargs="*", default=None)
-    parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument("--methods", nargs="*", default=None, help="default: all")
     parser.add_argument(
         "--set", nargs="*", default=[], help="config overrides, e.g. rounds=100"
     )
@@ -671,6 +947,32 @@ def main(argv=None):
         default=[],
         help="extra DP-FedEmb runs, e.g. users_per_client=1,16 local_steps=1,8",
     )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="walk TUNING_GRID on the validation identities of seed "
+        f"{TUNING_SEED} and print (--output: write) the chosen settings",
+    )
+    parser.add_argument(
+        "--tuned",
+        default=None,
+        help="the --tune --output FILE whose chosen settings each method runs "
+        "with, or 'builtin' (CHOSEN: the CPU study's choice)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="with --tune: the log (JSON lines) of a cut-off --tune run, whose "
+        "finished runs are reused",
+    )
+    parser.add_argument(
+        "--combine",
+        nargs="*",
+        default=None,
+        help="--output FILEs of earlier runs (e.g. the centralized baseline "
+        "and the federated methods run apart): summarised, paired and drawn "
+        "together, nothing trained",
+    )
     parser.add_argument("--output", default=None)
     parser.add_argument(
         "--curves", default=None, help="PNG of the validation curves (curve_points)"
@@ -679,20 +981,84 @@ def main(argv=None):
         "--pretrained-cache", default=None, help=".npz of the pretrained weights"
     )
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else StudyConfig()
-    config = dataclasses.replace(config, **_parse(args.set))
-    seeds = tuple(args.seeds) if args.seeds is not None else config.seeds
+    config = QUICK if args.quick else CPU if args.cpu else StudyConfig()
+    chosen = {}
+    if args.tune and (args.tuned or args.methods or args.ablate or args.seeds):
+        parser.error("--tune walks its grid on one seed: drop --tuned, "
+                     "--methods, --ablate and --seeds")  # fmt: skip
+    if args.gpu_slot:
+        if args.tune or args.cpu or args.methods or args.tuned:
+            parser.error(
+                "--gpu-slot runs its own methods with the chosen settings: "
+                "drop --tune, --cpu, --methods and --tuned"
+            )
+        config, args.methods, seeds, chosen = gpu_slot(args.quick)
+        args.output = args.output or "fedemb_gpu_slot.json"
+        args.curves = args.curves or "fedemb_gpu_slot.png"
+    if args.methods is None:
+        args.methods = list(METHODS)
+    settings = _parse(args.set)
+    config = dataclasses.replace(config, **settings)
+    if not args.gpu_slot:
+        seeds = config.seeds
+    if args.seeds is not None:
+        seeds = tuple(args.seeds)
     _log({"config": dataclasses.asdict(config), "seeds": seeds})
+
+    def cache_of(seed):
+        return args.pretrained_cache and args.pretrained_cache.format(seed=seed)
+
+    if args.tune:
+        grid = QUICK_GRID if args.quick else TUNING_GRID
+        done = []
+        if args.resume:
+            with open(args.resume) as file:
+                for line in file:
+                    if line.startswith('{"method"'):
+                        done.append(json.loads(line))
+        chosen, runs = tune(
+            config, grid, cache=cache_of(TUNING_SEED), log=_log, done=done
+        )
+        _log({"chosen": chosen})
+        if args.output:
+            with open(args.output, "w") as file:
+                json.dump(
+                    {"config": dataclasses.asdict(config), "grid": grid,
+                     "seed": TUNING_SEED, "runs": runs, "chosen": chosen},
+                    file, indent=1,
+                )  # fmt: skip
+        return chosen
+    if args.tuned == "builtin":
+        chosen = CHOSEN
+    elif args.tuned:
+        with open(args.tuned) as file:
+            saved = json.load(file)
+        if "chosen" not in saved:
+            raise SystemExit(f"{args.tuned} has no 'chosen' settings: give the "
+                             "--output file of a --tune run.")  # fmt: skip
+        chosen = saved["chosen"]
+    # What --set names wins over the tuned choice.
+    chosen = {
+        method: {k: v for k, v in values.items() if k not in settings}
+        for method, values in chosen.items()
+    }
+    if chosen:
+        _log({"tuned settings": chosen})
     records = []
+    if args.combine:
+        for path in args.combine:
+            with open(path) as file:
+                records.extend(json.load(file)["runs"])
+        seeds = ()  # Nothing to train.
     for seed in seeds:
-        cache = args.pretrained_cache and args.pretrained_cache.format(seed=seed)
-        study = Study(config, seed, cache)
+        study = Study(config, seed, cache_of(seed))
         for method in args.methods:
-            records.append(study.run(method))
+            records.append(study.run(method, **chosen.get(method, {})))
             _log(records[-1])
         for name, values in _parse(args.ablate, many=True).items():
             for value in values:
-                records.append(study.run("DP-FedEmb", **{name: value}))
+                overrides = {**chosen.get("DP-FedEmb", {}), name: value}
+                records.append(study.run("DP-FedEmb", **overrides))
                 _log(records[-1])
     summary = summarize(records)
     for row in summary:
@@ -711,6 +1077,7 @@ def main(argv=None):
             json.dump(
                 {
                     "config": dataclasses.asdict(config),
+                    "tuned settings": chosen,
                     "runs": records,
                     "summary": summary,
                     "ratios to centralized": ratios,

@@ -1,5 +1,6 @@
 """The benchmarks stay runnable (quick sizes); their figures are for the note."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -229,7 +230,7 @@ def test_scale_benchmark_pins_each_process_to_its_share_of_the_cores():
 
 
 def test_the_utility_study_pairs_each_seed_with_the_centralized_run():
-    from benchmarks.fedemb_utility import paired_ratios
+    from benchmarks.fedemb_utility import paired_ratios, summarize
 
     runs = [
         {"method": "centralized", "seed": s, "recall@far=0.001": v}
@@ -247,6 +248,14 @@ def test_the_utility_study_pairs_each_seed_with_the_centralized_run():
     half = 4.303 * math.sqrt(0.07) / math.sqrt(3)
     low, high = row["interval95"]
     assert (low, high) == pytest.approx((0.8 - half, 0.8 + half), rel=1e-4)
+    # Runs made apart list their settings in another order: one group.
+    a = {"method": "A", "seed": 0, "k": 16, "lr": 0.1, "recall@far=0.001": 0.25}
+    b = {"lr": 0.1, "recall@far=0.001": 0.2, "k": 16, "seed": 1, "method": "A"}
+    (row,) = paired_ratios([*runs[:2], a, b])
+    assert row["ratios"] == pytest.approx([0.5, 0.5])
+    scores = {f"{p}recall@far={f:g}": 0.5 for p in ("", "val ") for f in (1e-3, 1e-2)}
+    (summary,) = summarize([{**a, **scores}, {**b, **scores}])
+    assert summary["seeds"] == [0, 1]
 
 
 def test_the_utility_study_validates_on_identities_it_neither_trains_nor_reports():
@@ -310,3 +319,140 @@ def test_the_utility_study_places_each_curve_point_at_its_epoch(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="curve_points"):
         plot_curves(records[-1:], tmp_path / "none.png")
+
+
+def test_the_utility_study_builds_the_server_and_client_optimizers_it_is_set_to():
+    from benchmarks.fedemb_utility import Study, StudyConfig
+
+    def rates(optimizer, steps):
+        rate = optimizer._learning_rate
+        return [float(rate(step)) if callable(rate) else float(rate) for step in steps]
+
+    base = StudyConfig(rounds=100, server_optimizer="sgd", server_lr=2.0)
+    plain = Study._server(base)
+    assert type(plain).__name__ == "SGD" and plain.momentum == 0.9
+    assert rates(plain, (0, 99)) == [2.0, 2.0]
+    # Warm-up over 10 rounds from lr / 20, then constant.
+    warm = Study._server(dataclasses.replace(base, server_warmup=10))
+    assert rates(warm, (0, 5, 10, 99)) == pytest.approx([0.1, 1.05, 2.0, 2.0])
+    # Warm-up, then cosine decay to 0 at the last round.
+    cosine = Study._server(
+        dataclasses.replace(base, server_warmup=10, server_decay=1, server_momentum=0.5)
+    )
+    assert cosine.momentum == 0.5
+    assert rates(cosine, (10, 55, 100)) == pytest.approx([2.0, 1.0, 0.0], abs=1e-6)
+    adam = Study._server(dataclasses.replace(base, server_optimizer="adam"))
+    assert type(adam).__name__ == "Adam" and rates(adam, (0,)) == [2.0]
+    with pytest.raises(ValueError, match="'sgd' or 'adam'"):
+        Study._server(dataclasses.replace(base, server_optimizer="adagrad"))
+    client = Study._client(StudyConfig(client_lr=0.02, client_momentum=0.9))
+    assert (float(client.learning_rate), client.momentum) == (pytest.approx(0.02), 0.9)
+
+
+def test_tuning_keeps_each_stages_best_validation_value_for_the_later_stages(
+    monkeypatch,
+):
+    from benchmarks import fedemb_utility as utility
+
+    # A stand-in study whose validation score is known per setting; the
+    # test identities score the opposite, so a choice made on them shows.
+    calls = []
+
+    def run(self, method, **overrides):
+        calls.append((method, overrides))
+        score = {"sgd": 0.3, "adam": 0.1}.get(overrides.get("server_optimizer"), 0.0)
+        score += overrides.get("users_per_client", 0) / 100
+        score += 0.2 * (overrides.get("clip_norm") == 3.0)
+        score += overrides.get("centralized_lr", 0)
+        scores = {"val recall@far=0.001": score, "recall@far=0.001": 1 - score}
+        return {"method": method, "seed": 0, **overrides, **scores}
+
+    monkeypatch.setattr(utility.Study, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(utility.Study, "run", run)
+    grid = (
+        ("centralized", "centralized_lr", (0.1, 0.2)),
+        ("fedemb", "server", ("adam:0.003", "sgd:1")),
+        ("fedemb", "users_per_client", (16, 8)),
+        ("DP-FedAvg", "clip_norm", (1.0, 3.0)),
+        # The default: DP-FedEmb's settings unchanged, its last run reused.
+        ("fedemb", "client_momentum", (0.0,)),
+    )
+    chosen, runs = utility.tune(utility.QUICK, grid)
+    assert len(runs) == 9 and len(calls) == 8
+    assert runs[-1]["val recall@far=0.001"] == runs[4]["val recall@far=0.001"]
+    assert chosen["centralized"] == {"centralized_lr": 0.2}
+    shared = {"server_optimizer": "sgd", "server_lr": 1.0, "users_per_client": 16,
+              "client_momentum": 0.0}  # fmt: skip
+    for method in ("FedEmb (non-private)", "DP-FedEmb", "DP-FTRL-FedEmb"):
+        assert chosen[method] == shared
+    assert chosen["DP-FedAvg"] == {**shared, "clip_norm": 3.0}
+    del shared["client_momentum"]  # Chosen last.
+    # "fedemb" stages are scored on DP-FedEmb, and each later stage starts
+    # from the choices so far.
+    assert [m for m, _ in calls[2:6]] == ["DP-FedEmb"] * 4
+    assert calls[4][1] == {"server_optimizer": "sgd", "server_lr": 1.0,
+                           "users_per_client": 16}  # fmt: skip
+    assert calls[6] == ("DP-FedAvg", {**shared, "clip_norm": 1.0})
+    shared["client_momentum"] = 0.0
+    # A cut-off walk resumed: its finished runs are reused, not run again.
+    calls.clear()
+    longer = (*grid, ("DP-FedEmb", "clip_norm", (0.5,)))
+    again, _ = utility.tune(utility.QUICK, longer, done=runs[:5])
+    before = {k: v for k, v in shared.items() if k != "client_momentum"}
+    assert calls == [
+        ("DP-FedEmb", {**before, "users_per_client": 8}),
+        ("DP-FedAvg", {**before, "clip_norm": 1.0}),
+        ("DP-FedAvg", {**before, "clip_norm": 3.0}),
+        ("DP-FedEmb", {**shared, "clip_norm": 0.5}),
+    ]
+    assert again["DP-FedAvg"] == chosen["DP-FedAvg"]
+    assert again["DP-FedEmb"] == {**shared, "clip_norm": 0.5}
+    assert utility.setting("server_schedule", "warmup-cosine") == {
+        "server_warmup": -1, "server_decay": 1}  # fmt: skip
+    with pytest.raises(ValueError, match="warmup-cosine"):
+        utility.setting("server_schedule", "linear")
+
+
+def test_the_gpu_slot_runs_the_chosen_settings_at_gpu_sizes_with_curves():
+    from benchmarks import fedemb_utility as utility
+
+    config, methods, seeds, chosen = utility.gpu_slot()
+    gpu_sizes = utility.StudyConfig()
+    assert (config.image_size, config.private_identities) == (
+        gpu_sizes.image_size, gpu_sizes.private_identities)  # fmt: skip
+    assert config.curve_points > 0 and config.deployment_epsilon > 0
+    # The CPU study's choice, for every trained method.
+    assert seeds == (0,) and chosen is utility.CHOSEN
+    assert {"centralized", *utility.FEDERATED} <= set(chosen)
+    assert set(methods) == {"public-pretrained", "centralized",
+                            "FedEmb (non-private)", "DP-FedEmb"}  # fmt: skip
+    quick = utility.gpu_slot(quick=True)[0]
+    assert quick.private_identities == utility.QUICK.private_identities
+
+
+def test_the_utility_study_combines_runs_made_apart(tmp_path, capsys):
+    from benchmarks import fedemb_utility as utility
+
+    def run(method, seed, value):
+        return {"method": method, "seed": seed, "recall@far=0.001": value,
+                "recall@far=0.01": 2 * value, "val recall@far=0.001": value,
+                "val recall@far=0.01": 2 * value}  # fmt: skip
+
+    parts = [
+        [run("centralized", 0, 0.5), run("centralized", 1, 0.4)],
+        [run("DP-FedEmb", 0, 0.25), run("DP-FedEmb", 1, 0.3)],
+    ]
+    paths = []
+    for index, runs in enumerate(parts):
+        paths.append(tmp_path / f"part{index}.json")
+        paths[-1].write_text(json.dumps({"runs": runs}))
+    output = tmp_path / "all.json"
+    utility.main(["--quick", "--combine", *map(str, paths), "--output", str(output)])
+    combined = json.loads(output.read_text())
+    assert len(combined["runs"]) == 4
+    (row, _) = combined["ratios to centralized"]  # One per FAR.
+    assert row["method"] == "DP-FedEmb"
+    assert row["ratios"] == pytest.approx([0.5, 0.75])
+    # Nothing trained: the only records printed are the summaries.
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if line.startswith('{"method"')]

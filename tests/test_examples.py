@@ -114,6 +114,7 @@ def test_the_main_job_writes_its_run_and_states_a_simulated_deployment(tmp_path)
     assert "non-private" not in (run_dir / "results.json").read_text()
     assert "Simulated deployment (NOT this run's guarantee)" in out
     assert "This run's own guarantee: None meaningful" in out
+    assert out.count("run's own guarantee") == 1  # Said once.
     assert results["privacy_statement"] is None  # Never the run's own claim.
     simulated = results["simulated_deployment"]
     deployment = simulated["deployment"]
@@ -128,8 +129,9 @@ def test_the_main_job_writes_its_run_and_states_a_simulated_deployment(tmp_path)
     assert deployment["noise_multiplier"] == pytest.approx(
         64 * results["noise_multiplier"]
     )
+    pools = -(-10_000_000 // results["sizes"]["users_per_client"])  # 2,500,000
     assert deployment["sampling_probability"] == pytest.approx(
-        64 * results["sizes"]["clients_per_round"] / 2_500_000
+        64 * results["sizes"]["clients_per_round"] / pools
     )
     assert results["private_steps"] == deployment["steps"] == results["sizes"]["rounds"]
     backbone = keras.saving.load_model(run_dir / "backbone.keras")

@@ -7,6 +7,7 @@ It has no privacy guarantee at all.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from kdpemb import _validation as validation
@@ -65,6 +66,69 @@ class CentralizedBaseline(keras.Model):
             self.classifier = keras.layers.Dense(self.num_classes, name="classifier")
         self.classifier.build((None, backbone_checks.output_dim(backbone)))
         self.built = True
+
+    def imprint_head(self, images, labels, batch_size=256):
+        """Starts the head at each identity's mean embedding ("weight
+        imprinting"): column c becomes the normalised mean of the
+        normalised embeddings of the images of identity c (a softmax head's
+        bias becomes 0); identities without images keep their column.
+
+        A random head over many identities sends large, uninformative
+        gradients into a pretrained backbone in the first epoch and can
+        undo its pretraining; an imprinted head starts where the backbone
+        already is. It reads `images` without noise: like the rest of this
+        model, it has no privacy guarantee.
+
+        Args:
+            images: array `[N, H, W, C]`.
+            labels: int array `[N]` of identities below `num_classes`.
+            batch_size: int. Images embedded at once.
+
+        Returns:
+            int: the number of columns imprinted.
+
+        >>> import numpy as np
+        >>> from kdpemb.models import CentralizedBaseline, small_cnn
+        >>> model = CentralizedBaseline(small_cnn((8, 8, 1), 4, width=4, groups=2),
+        ...                             3, head="cosine")
+        >>> images = np.random.default_rng(0).normal(size=(6, 8, 8, 1))
+        >>> model.imprint_head(images, np.array([0, 0, 1, 1, 2, 2]))
+        3
+        """
+        labels = np.asarray(labels)
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(
+                f"labels must be integer identities; got dtype {labels.dtype}. "
+                "Pass them as ints (e.g. labels.astype('int64'))."
+            )
+        if labels.ndim != 1 or len(labels) != len(images):
+            raise ValueError(
+                f"labels must be one identity per image: got shape {labels.shape} "
+                f"for {len(images)} images."
+            )
+        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+            raise ValueError(
+                f"labels must lie in [0, {self.num_classes}) (num_classes); got "
+                f"values from {labels.min()} to {labels.max()}."
+            )
+        embeddings = np.asarray(
+            self.backbone.predict(
+                np.asarray(images, "float32"), batch_size=batch_size, verbose=0
+            ),
+            "float64",
+        )
+        norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
+        embeddings /= np.maximum(norms, 1e-12)
+        sums = np.zeros((embeddings.shape[1], self.num_classes))
+        np.add.at(sums.T, labels, embeddings)
+        norms = np.linalg.norm(sums, axis=0)
+        kernel = np.asarray(keras.ops.convert_to_numpy(self.classifier.kernel))
+        present = norms > 0
+        kernel[:, present] = sums[:, present] / norms[present]
+        self.classifier.kernel.assign(kernel.astype(kernel.dtype))
+        if getattr(self.classifier, "bias", None) is not None:
+            self.classifier.bias.assign(np.zeros(self.num_classes, "float32"))
+        return int(present.sum())
 
     def call(self, images, training=False):
         """Class logits of `images`."""

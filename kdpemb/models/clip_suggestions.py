@@ -208,7 +208,8 @@ def suggest_clip_norm(model, public_clients, *, rounds=None, quantile=0.5):
             "0: their backbones did not move. With heads that start at zero "
             "the backbone gets no gradient in the first local step (nor in "
             "reconstruction steps): use local_steps >= reconstruction_steps + "
-            "2 in the rounds, or head_init='random'. A client whose examples "
+            "2 in the rounds, or head_init='random' or 'class_means'. A client "
+            "whose examples "
             "are all of one identity has a zero gradient too (softmax over one "
             "class): use more users per client, or a higher quantile."
         )

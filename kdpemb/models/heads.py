@@ -10,8 +10,9 @@
 Cosine logits need a non-zero head: the direction of a zero column is
 undefined, and a normalisation with a small epsilon would turn a zero head
 into a huge first gradient step (its derivative there is 1 / sqrt(ε)). So
-a cosine head starts from a random draw (`head_init="random"`), never
-from zeros. The normalisation still adds `_EPSILON` under the square root,
+a cosine head starts from a random draw (`head_init="random"`) or, in
+DP-FedEmb, from the client's class means (`"class_means"`), never from
+zeros. The normalisation still adds `_EPSILON` under the square root,
 so an all-zero embedding (or column) gives a zero logit, never a NaN.
 """
 

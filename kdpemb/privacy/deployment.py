@@ -199,11 +199,13 @@ class DeploymentStatement:
         """The run's own ε at the same δ (None: not computed; see `run`)."""
         return self.run.epsilon
 
-    def summary(self):
-        """One line, opening with "Simulated deployment", then the guarantee."""
+    def summary(self, run_guarantee=True):
+        """One line, opening with "Simulated deployment", then the guarantee;
+        it ends with the run's own guarantee unless `run_guarantee=False`
+        (for a report that states the run's guarantee once, elsewhere)."""
         deployment, run = self.deployment, self.run
         unit = deployment.unit
-        return (
+        line = (
             f"Simulated deployment (NOT this run's guarantee): scale s = "
             f"{_scale(self.scale)}, i.e. noise multiplier "
             f"{deployment.noise_multiplier:.4g} and "
@@ -212,9 +214,12 @@ class DeploymentStatement:
             f"multiplier {run.noise_multiplier:.4g} and "
             f"{_count(run.clients_per_round)} clients per round over "
             f"{run.population:,} {unit}s (same mean-update noise z·C/M). The "
-            f"deployment would satisfy: {deployment.guarantee_summary()} This "
-            f"run's own guarantee: {run.describe_epsilon(deployment.delta)}."
+            f"deployment would satisfy: {deployment.guarantee_summary()}"
         )
+        if not run_guarantee:
+            return line
+        own = run.describe_epsilon(deployment.delta)
+        return f"{line} This run's own guarantee: {own}."
 
     def rows(self):
         """(field, value) pairs; each of the deployment's says "(deployment)"."""

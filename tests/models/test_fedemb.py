@@ -235,6 +235,42 @@ def test_random_heads_are_fresh_for_every_client_and_round():
     assert 1e-4 < p < 1 - 1e-4  # N(0, 1/D) heads: d has variance 2/D.
 
 
+def test_class_mean_heads_start_each_client_nearer_its_own_data():
+    # head_init="class_means" imprints each local head from the client's
+    # examples: the local loss of the same round is then lower than from
+    # random heads (cosine heads, no local step: the loss at the start).
+    data = ref.make_round(31, classes=(3, 3), rows=2, steps=2, batch=4)
+    losses = {}
+    for init in ("random", "class_means"):
+        model = make_model(
+            ref.linear_backbone(4, seed=2),
+            local_steps=2,
+            head="cosine",
+            head_scale=10.0,
+            head_init=init,
+            client_optimizer=1e-9,  # The loss is the starting heads'.
+            log_local_loss=True,
+            clients_per_round=2,
+        )
+        losses[init] = fit_rounds(model, [data]).history["local_loss"][0]
+    assert losses["class_means"] < 0.5 * losses["random"], losses
+
+
+def test_class_mean_heads_are_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="global head"):
+        make_model(
+            ref.linear_backbone(),
+            compile=False,
+            aggregation="full",
+            num_classes=6,
+            head_init="class_means",
+        )
+    with pytest.raises(ValueError, match="'class_means'"):
+        make_model(
+            ref.linear_backbone(), compile=False, head="cosine", head_init="zeros"
+        )
+
+
 # ------------------------------------------------------------- noise --
 
 

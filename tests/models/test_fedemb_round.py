@@ -69,6 +69,7 @@ def round_sum(
     clip_norm=1e9,
     client_parallelism=1,
     rows=None,
+    class_mean_heads=False,
 ):
     """Runs `fedemb_round.run_round` from zero heads on a round.
 
@@ -84,6 +85,7 @@ def round_sum(
         clip_norm=clip_norm,
         client_parallelism=client_parallelism,
         full_aggregation=False,
+        class_mean_heads=class_mean_heads,
     )
     if rows is not None:
         data = pad_rows(data, rows)
@@ -242,30 +244,41 @@ def neighbouring_rounds(users_per_client, num_users, clients_per_round, seed):
     raise AssertionError("the removed user took part in no round")
 
 
+# Local heads imprinted from the client's own data (head_init=
+# "class_means") are one more function of that client's data: the bounds
+# hold with them too.
+@pytest.mark.parametrize("class_mean_heads", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_removing_a_single_user_client_moves_the_sum_by_exactly_c(seed):
+def test_removing_a_single_user_client_moves_the_sum_by_exactly_c(
+    seed, class_mean_heads
+):
     # k = 1: removing a user removes one clipped update. Its norm is C when
     # clipping binds (a large learning rate), so the bound C is attained.
     clip_norm = SENSITIVITY["clip_norm"]
+    settings = dict(SENSITIVITY, class_mean_heads=class_mean_heads)
     backbone = ref.linear_backbone(EMBEDDING_DIM, seed=seed)
     for a, b in neighbouring_rounds(1, num_users=10, clients_per_round=5, seed=seed):
         assert a["client_mask"].sum() == b["client_mask"].sum() + 1
         gap = np.linalg.norm(
-            round_sum(backbone, a, **SENSITIVITY).total
-            - round_sum(backbone, b, **SENSITIVITY).total
+            round_sum(backbone, a, **settings).total
+            - round_sum(backbone, b, **settings).total
         )
         assert clip_norm * (1 - 1e-3) <= gap <= clip_norm * (1 + 1e-5)
 
 
+@pytest.mark.parametrize("class_mean_heads", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_changing_a_multi_user_client_moves_the_sum_by_at_most_2c(seed):
+def test_changing_a_multi_user_client_moves_the_sum_by_at_most_2c(
+    seed, class_mean_heads
+):
     # k > 1: removing a user changes the content of one virtual client.
     clip_norm = SENSITIVITY["clip_norm"]
+    settings = dict(SENSITIVITY, class_mean_heads=class_mean_heads)
     backbone = ref.linear_backbone(EMBEDDING_DIM, seed=seed)
     gaps = [
         np.linalg.norm(
-            round_sum(backbone, a, **SENSITIVITY).total
-            - round_sum(backbone, b, **SENSITIVITY).total
+            round_sum(backbone, a, **settings).total
+            - round_sum(backbone, b, **settings).total
         )
         for a, b in neighbouring_rounds(3, num_users=12, clients_per_round=2, seed=seed)
     ]
@@ -297,6 +310,50 @@ def test_the_2c_bound_is_attained_by_opposite_client_contents():
     assert 2 * clip_norm * (1 - 1e-2) <= gap <= 2 * clip_norm * (1 + 1e-5)
 
 
+def test_a_class_mean_head_starts_at_each_local_classs_mean_embedding():
+    # head_init="class_means": column c is the normalised mean of the
+    # normalised embeddings of the client's unmasked examples of class c;
+    # a column of no example keeps the head given.
+    kernel = np.random.default_rng(3).normal(size=(ref.PIXELS, EMBEDDING_DIM))
+    backbone = ref.linear_backbone(EMBEDDING_DIM, kernel=kernel)
+    data = ref.make_round(4, classes=(3,), rows=1, steps=2, batch=4)
+    data["example_mask"][0, 1, 2:] = False  # Two masked examples.
+    client = {key: keras.ops.convert_to_tensor(value[0]) for key, value in data.items()}
+    config = fedemb_round.RoundConfig(
+        learning_rate=0.1, momentum=0.0, nesterov=False, head_lr_scale=1.0,
+        reconstruction_steps=0, clip_norm=1.0, client_parallelism=1,
+        full_aggregation=False, class_mean_heads=True,
+    )  # fmt: skip
+    trainer = fedemb_round.ClientTrainer(
+        backbone, config, backends.current().value_and_grad
+    )
+    start = np.random.default_rng(4).normal(size=(EMBEDDING_DIM, 5)).astype("float32")
+
+    def batch(step):
+        return tuple(
+            keras.ops.take(client[key], step, axis=0)
+            for key in ("images", "labels", "example_mask")
+        )
+
+    theta = [v.value for v in backbone.trainable_variables]
+    head = keras.ops.convert_to_numpy(
+        trainer.class_mean_head(theta, [], keras.ops.convert_to_tensor(start), batch, 2)
+    )
+    embeddings = data["images"][0].reshape(-1, ref.PIXELS) @ kernel
+    embeddings /= np.linalg.norm(embeddings, axis=1, keepdims=True)
+    labels = data["labels"][0].reshape(-1)
+    mask = data["example_mask"][0].reshape(-1)
+    for column in range(5):
+        chosen = embeddings[mask & (labels == column)]
+        if len(chosen):
+            mean = chosen.sum(axis=0)
+            np.testing.assert_allclose(head[:, column], mean / np.linalg.norm(mean),
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
+        else:
+            np.testing.assert_array_equal(head[:, column], start[:, column])
+    assert len(set(labels[mask].tolist())) >= 2  # Columns 3-4: none.
+
+
 # ------------------------------------------------- robustness, layout --
 
 
@@ -313,10 +370,13 @@ def test_a_non_finite_client_update_is_zeroed_and_counted():
     assert poisoned.count == 3 and without.count == 2
 
 
-def test_vectorised_clients_equal_clients_one_after_another():
+@pytest.mark.parametrize("class_mean_heads", [False, True])
+def test_vectorised_clients_equal_clients_one_after_another(class_mean_heads):
+    # Padded with unsampled rows of garbage, which must count for nothing.
     backbone = ref.linear_backbone(EMBEDDING_DIM, seed=3)
     data = ref.make_round(8, classes=(3, 2, 2, 3), rows=5, steps=2)
-    settings = {"lr": 0.5, "momentum": 0.5, "clip_norm": 0.3}
+    settings = {"lr": 0.5, "momentum": 0.5, "clip_norm": 0.3,
+                "class_mean_heads": class_mean_heads}  # fmt: skip
     one = round_sum(backbone, data, client_parallelism=1, **settings)
     three = round_sum(backbone, data, client_parallelism=3, **settings)
     np.testing.assert_allclose(three.total, one.total, rtol=1e-4, atol=1e-6)

@@ -109,7 +109,7 @@ def test_bad_head_settings_are_refused_by_both_models(kwargs, pattern):
         FedEmbModel(ref.linear_backbone(), noise_multiplier=1.0, **kwargs)
 
 
-def test_a_zero_cosine_head_is_refused_and_cosine_defaults_to_random():
+def test_a_zero_cosine_head_is_refused_and_cosine_defaults_to_class_means():
     with pytest.raises(ValueError, match=r"zero column has no direction"):
         FedEmbModel(
             ref.linear_backbone(),
@@ -118,7 +118,7 @@ def test_a_zero_cosine_head_is_refused_and_cosine_defaults_to_random():
             head_init="zeros",
         )
     model = FedEmbModel(ref.linear_backbone(), noise_multiplier=1.0, head="cosine")
-    assert model.head_init == "random"
+    assert model.head_init == "class_means"  # The utility study's choice.
     assert FedEmbModel(ref.linear_backbone(), noise_multiplier=1.0).head_init == "zeros"
     full = FedEmbModel(
         ref.linear_backbone(),
@@ -127,6 +127,7 @@ def test_a_zero_cosine_head_is_refused_and_cosine_defaults_to_random():
         num_classes=5,
         head="cosine",
     )
+    assert full.head_init == "random"  # A global head: no client's data.
     assert np.linalg.norm(numpy(full.head.value), axis=0).min() > 0  # Not zeros.
 
 
@@ -148,10 +149,11 @@ def test_fedemb_head_settings_are_frozen_and_round_trip_through_the_config():
         "cosine",
         12.0,
         0.2,
-        "random",
+        "class_means",
     )
     config = clone._round_config(2)
     assert (config.head, config.head_scale, config.head_margin) == ("cosine", 12.0, 0.2)
+    assert config.class_mean_heads
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.2])
@@ -221,3 +223,30 @@ def test_a_fedemb_round_with_the_cosine_head_trains_the_backbone():
     after = numpy(model.backbone.trainable_variables[0].value)
     assert np.isfinite(history.history["local_loss"]).all()
     assert not np.allclose(before, after)
+
+
+@pytest.mark.parametrize("head", ["cosine", "softmax"])
+def test_an_imprinted_centralized_head_starts_at_each_identitys_mean_embedding(head):
+    backbone = ref.linear_backbone(3, seed=1)
+    model = CentralizedBaseline(backbone, 4, head=head)
+    before = numpy(model.classifier.kernel.value)
+    images = np.random.default_rng(2).normal(size=(7, *ref.IMAGE_SHAPE))
+    labels = np.array([0, 0, 2, 2, 2, 1, 0])  # Identity 3 has no image.
+    assert model.imprint_head(images, labels, batch_size=3) == 3
+    kernel = numpy(model.classifier.kernel.value)
+    embeddings = images.reshape(7, -1) @ ref.kernel_of(backbone)
+    embeddings /= np.linalg.norm(embeddings, axis=1, keepdims=True)
+    for identity in range(3):
+        mean = embeddings[labels == identity].sum(axis=0)
+        np.testing.assert_allclose(
+            kernel[:, identity], mean / np.linalg.norm(mean), rtol=1e-5, atol=1e-6
+        )
+    np.testing.assert_array_equal(kernel[:, 3], before[:, 3])
+    if head == "softmax":
+        np.testing.assert_array_equal(numpy(model.classifier.bias.value), 0)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        model.imprint_head(images, np.array([0, 0, 2, 2, 2, 1, 4]))
+    with pytest.raises(ValueError, match="one identity per image"):
+        model.imprint_head(images, labels[:5])
+    with pytest.raises(ValueError, match="integer identities"):
+        model.imprint_head(images, labels.astype("float32"))

@@ -253,6 +253,9 @@ def test_run_epsilon_is_the_run_own_rdp_epsilon_at_the_same_delta():
     label = "this run's own guarantee"
     shown = f"ε = {deployed.run_epsilon:.4g} at δ = 1e-08 (RDP accountant)"
     assert f"This run's own guarantee: {shown}." in deployed.summary()
+    shorter = deployed.summary(run_guarantee=False)
+    assert deployed.summary().startswith(shorter)
+    assert "run's own guarantee" not in shorter and shorter.endswith("accountant.")
     assert (f"ε of the run ({label})", shown) in deployed.rows()
     run_data = json.loads(deployed.to_json())["run"]
     assert run_data["epsilon"] == deployed.run_epsilon

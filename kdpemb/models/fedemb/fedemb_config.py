@@ -13,7 +13,7 @@ from kdpemb.privacy import AdaptiveClipping, tree_noise
 from kdpemb.privacy.schedule import NOISES
 
 AGGREGATIONS = ("partial", "full")
-HEAD_INITS = ("zeros", "random")
+HEAD_INITS = ("zeros", "random", "class_means")
 
 
 def construct(
@@ -76,14 +76,25 @@ def construct(
         )
     head, head_scale, head_margin = validation.check_head(head, head_scale, head_margin)
     if head_init is None:
-        head_init = "random" if head == "cosine" else "zeros"
+        # Class means: the utility study's choice for local cosine heads.
+        if head == "cosine":
+            head_init = "class_means" if aggregation == "partial" else "random"
+        else:
+            head_init = "zeros"
     if not isinstance(head_init, str) or head_init not in HEAD_INITS:
         raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}.")
-    if head == "cosine" and head_init != "random":
+    if head == "cosine" and head_init == "zeros":
         raise ValueError(
             "head='cosine' normalises the head's columns, and a zero column "
             "has no direction (its cosine logits would be 0/0): pass "
-            "head_init='random' (or leave head_init=None)."
+            "head_init='random' or 'class_means' (or leave head_init=None)."
+        )
+    if aggregation == "full" and head_init == "class_means":
+        raise ValueError(
+            "head_init='class_means' imprints each client's local head from "
+            "its own examples; aggregation='full' (DP-FedAvg) trains one "
+            "global head, whose start must not depend on anyone's data. Use "
+            "head_init='random' or 'zeros' with aggregation='full'."
         )
     model.head_type, model.head_scale, model.head_margin = (
         head,

@@ -108,15 +108,24 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
             (learning rate, momentum, nesterov). Defaults to `SGD(0.01)`.
         head_lr_scale: float. The head's local learning rate is the
             client's times this. Defaults to `100`, the reference code's value.
-        head_init: "zeros", "random" or None (the default: "zeros" for
-            the softmax head, "random" for the cosine head). DP-FedEmb: a
-            local head starts at zeros or from N(0, 1/D), fresh per client
-            and round. DP-FedAvg: the global head's initial value (a
-            data-independent draw).
+        head_init: "zeros", "random", "class_means" or None (the
+            default: "zeros" for the softmax head; for the cosine head
+            "class_means", or "random" with `aggregation="full"`).
+            DP-FedEmb: a local head starts at zeros or from N(0, 1/D),
+            fresh per client and round; "class_means" imprints
+            it from the client's own examples (column c: the normalised
+            mean of the normalised embeddings of its examples of local
+            class c, under the round's backbone; one extra forward pass
+            per local batch), so the backbone's first local steps already
+            pull each identity together. The head never leaves the client,
+            so this changes nothing in the privacy arithmetic. DP-FedAvg:
+            the global head's initial value (a data-independent draw;
+            "class_means" is refused).
         head: "softmax" (default): local logits `e · W`; or "cosine":
             `s · normalize(e) · normalize(W)`, a normalised softmax that
             often learns better embeddings. A cosine head needs
-            `head_init="random"`: a zero column has no direction.
+            `head_init="random"` or `"class_means"`: a zero column has no
+            direction.
         head_scale: float. s, the bound on the cosine logits. Defaults to 16.
         head_margin: float in [0, 1). Additive cosine margin (CosFace) on
             the true class in the local loss; cosine head only. Defaults
@@ -364,9 +373,10 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
     # ------------------------------------------------------- training --
 
     def compile(self, optimizer=None, **kwargs):
-        """`optimizer` is the server optimizer; defaults to SGD(1.0, momentum=0.9)."""
+        """`optimizer` is the server optimizer; defaults to Adam(3e-3), the
+        utility study's choice (docs/fedemb.md)."""
         if optimizer is None:
-            optimizer = keras.optimizers.SGD(learning_rate=1.0, momentum=0.9)
+            optimizer = keras.optimizers.Adam(learning_rate=3e-3)
         if kwargs.get("loss") is not None:
             raise ValueError(
                 "FedEmbModel computes its own local loss; compile it without loss."

@@ -8,12 +8,15 @@ backend-agnostic: the two things that differ between TensorFlow and JAX
 
 Per virtual client (a row of the round):
 
-1. The head starts from zeros, a fresh random draw, or (DP-FedAvg) the
-   global head; it has one column per local class, and columns beyond the
-   client's `num_local_classes` are masked out of the softmax. Its logits
-   are `e · W`, or with `head="cosine"` `s · normalize(e) · normalize(W)`
-   (`kdpemb.models.heads`; a cosine head starts random, never at zeros),
-   with an optional margin `s · m` off the true class in the loss.
+1. The head starts from zeros, a fresh random draw, the client's class
+   means (`class_mean_heads`: each local class's column imprinted from
+   its examples' normalised embeddings; other columns keep the random
+   draw), or (DP-FedAvg) the global head; it has one column per local
+   class, and columns beyond the client's `num_local_classes` are masked
+   out of the softmax. Its logits are `e · W`, or with `head="cosine"`
+   `s · normalize(e) · normalize(W)` (`kdpemb.models.heads`; a cosine head
+   never starts at zeros), with an optional margin `s · m` off the true
+   class in the loss.
 2. `reconstruction_steps` local batches train the head alone (backbone
    frozen), then the remaining batches train both, with SGD (and momentum)
    at learning rate lr for the backbone and lr · head_lr_scale for the
@@ -51,6 +54,9 @@ class RoundConfig(NamedTuple):
     head: str = "softmax"  # Or "cosine".
     head_scale: float = heads_lib.DEFAULT_SCALE  # s of the cosine logits.
     head_margin: float = 0.0  # Cosine margin m, in the training loss only.
+    # The local head starts at the client's class means (`head_init=
+    # "class_means"`) rather than at the head it is given.
+    class_mean_heads: bool = False
 
 
 class RoundResult(NamedTuple):
@@ -121,6 +127,29 @@ class ClientTrainer:
             new_velocity.append(v)
         return new_params, new_velocity
 
+    def class_mean_head(self, theta, non_trainable, head, batch, steps):
+        """The local head imprinted from the client's own examples: column c
+        is the mean L2-normalised embedding (under the server's θ) of the
+        client's examples of local class c, normalised; columns of classes
+        the client does not hold keep `head`'s values. Computed inside the
+        client and thrown away with the head, so it adds nothing to what
+        leaves the client (the clipped backbone update)."""
+
+        def add_batch(step, sums):
+            images, labels, mask = batch(step)
+            embeddings = self._embed(theta, non_trainable, images)
+            embeddings = embeddings / ops.maximum(
+                ops.norm(embeddings, axis=-1, keepdims=True), 1e-12
+            )
+            one_hot = ops.one_hot(labels, head.shape[-1]) * ops.cast(
+                ops.expand_dims(mask, -1), "float32"
+            )
+            return sums + ops.matmul(ops.transpose(embeddings), one_hot)
+
+        sums = ops.fori_loop(0, steps, add_batch, ops.zeros_like(head))
+        norms = ops.norm(sums, axis=0, keepdims=True)
+        return ops.where(norms > 0, sums / ops.maximum(norms, 1e-12), head)
+
     def train(self, theta, non_trainable, head, client):
         """Trains one client; returns `(update, mean local loss)`.
 
@@ -187,6 +216,8 @@ class ClientTrainer:
             params, velocity = self._sgd(params, velocity, grads, rates)
             return params, velocity, loss + value
 
+        if cfg.class_mean_heads:
+            head = self.class_mean_head(theta, non_trainable, head, batch, steps)
         zero = ops.zeros((), "float32")
         head_velocity = ops.zeros_like(head)
         if cfg.reconstruction_steps:
@@ -312,6 +343,8 @@ def run_round(trainer, theta, non_trainable, heads, data, clip_norm=None):
 
 
 def random_heads(shape, seed_generator):
-    """Fresh N(0, 1/D) heads `[M_max, D, columns]` for `head_init="random"`."""
+    """Fresh N(0, 1/D) heads `[M_max, D, columns]` for `head_init="random"`
+    (and, with `"class_means"`, for the columns no example of the client
+    covers)."""
     stddev = 1.0 / float(shape[-2]) ** 0.5
     return keras.random.normal(shape, stddev=stddev, seed=seed_generator)

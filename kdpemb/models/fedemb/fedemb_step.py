@@ -41,6 +41,7 @@ def round_config(model, num_rows):
         head=model.head_type,
         head_scale=model.head_scale,
         head_margin=model.head_margin,
+        class_mean_heads=model.head_init == "class_means",
     )
 
 
@@ -69,7 +70,7 @@ def round_inputs(model, data, local_steps, head_columns=None):
         shape = (ops.shape(data["images"])[0], model.embedding_dim, columns)
         heads = (
             fedemb_round.random_heads(shape, model.head_seed)
-            if model.head_init == "random"
+            if model.head_init in ("random", "class_means")
             else ops.zeros(shape, "float32")
         )
     return trainer, theta, non_trainable, heads, data
