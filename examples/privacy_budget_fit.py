@@ -1,8 +1,10 @@
 """`model.fit` with ε in the logs and a hard stop at a privacy budget.
 
-kdpemb's DP models (DP-FedEmb, last-layer DP, DP-SGD) implement the privacy
-protocol; until they land, this uses `kdpemb.testing.ToyDPRegressor`, a
-linear regressor trained with real Poisson-sampled DP-SGD.
+kdpemb's DP models (`FedEmbModel`, `LastLayerDPClassifier`, `DPModel`)
+implement the privacy protocol; to show the callback alone in seconds,
+this uses `kdpemb.testing.ToyDPRegressor`, a linear regressor trained
+with real Poisson-sampled DP-SGD (the guides show the callback on the
+real models).
 
 Run: python examples/privacy_budget_fit.py
 """

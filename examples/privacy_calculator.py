@@ -1,7 +1,8 @@
 """The privacy calculator: what (ε, δ) a training schedule gives.
 
-This is what `make demo` runs. It states the privacy of three documented
-schedules and calibrates the noise for a target ε:
+It states the privacy of three documented schedules and calibrates the
+noise for a target ε (no training; `make demo` runs the main job,
+`examples/train_dp_fedemb.py`):
 
 1. Example-level DP-SGD, TensorFlow Privacy's MNIST tutorial: 60,000
    examples, expected batch 256, noise multiplier 1.1, 60 epochs, δ = 1e-5
