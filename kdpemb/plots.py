@@ -22,12 +22,17 @@ import pathlib
 
 import numpy as np
 
-__all__ = ["plot_privacy_utility", "roc", "tar_at_far"]
+__all__ = ["plot_privacy_utility", "roc", "spread_labels", "tar_at_far"]
 
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 # A FAR that is a ratio k / n equals its decimal literal after rounding, but
 # one computed otherwise may land an ulp or so above it.
 _FAR_TOLERANCE = 1e-9
+# TAR labels at a marked FAR: at least this far apart on the TAR axis (about
+# 1.5 lines of 8-point text on the 6.4 x 4.8 inch figure), and drawn to the
+# right of the mark by this factor of the (log) FAR.
+_LABEL_GAP = 0.045
+_LABEL_SHIFT = 1.25
 
 
 def roc(curves, path, *, far_range=(1e-6, 1.0), mark_far=(1e-3,), title=None):
@@ -97,6 +102,7 @@ def roc(curves, path, *, far_range=(1e-6, 1.0), mark_far=(1e-3,), title=None):
     figure, canvas = _new_figure()
     axes = figure.add_subplot()
     colors = _colors()
+    drawn_marks = [mark for mark in marks if low <= mark <= high]
     for index, (name, (far, tar)) in enumerate(checked.items()):
         color = colors[index % len(colors)]
         order = np.lexsort((tar, far))
@@ -107,34 +113,38 @@ def roc(curves, path, *, far_range=(1e-6, 1.0), mark_far=(1e-3,), title=None):
             label=name,
             linewidth=1.5,
         )
-        for mark in marks:
-            if not low <= mark <= high:
-                continue
-            value = tar_at_far(far, tar, mark)
+    for mark in drawn_marks:
+        values = [tar_at_far(far, tar, mark) for far, tar in checked.values()]
+        # One label per curve beside the mark, moved apart vertically where
+        # curves pass close together, so that no two labels overlap.
+        for index, (value, label_y) in enumerate(
+            zip(values, spread_labels(values, _LABEL_GAP), strict=True)
+        ):
+            color = colors[index % len(colors)]
             axes.plot([mark], [value], marker="o", markersize=4, color=color)
             axes.annotate(
                 f"{value:.3f}",
                 (mark, value),
-                xytext=(4, -10),
-                textcoords="offset points",
+                xytext=(mark * _LABEL_SHIFT, label_y),
+                textcoords="data",
                 color=color,
                 fontsize=8,
+                verticalalignment="center",
             )
-    for mark in marks:
-        if low <= mark <= high:
-            axes.axvline(mark, color="0.4", linestyle=":", linewidth=1)
-            axes.annotate(
-                f"FAR = {_short_number(mark)}",
-                (mark, 1.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(-3, -4),
-                textcoords="offset points",
-                color="0.3",
-                fontsize=8,
-                rotation=90,
-                horizontalalignment="right",
-                verticalalignment="top",
-            )
+    for mark in drawn_marks:
+        axes.axvline(mark, color="0.4", linestyle=":", linewidth=1)
+        axes.annotate(
+            f"FAR = {_short_number(mark)}",
+            (mark, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3, -4),
+            textcoords="offset points",
+            color="0.3",
+            fontsize=8,
+            rotation=90,
+            horizontalalignment="right",
+            verticalalignment="top",
+        )
     axes.set_xscale("log")
     axes.set_xlim(low, high)
     axes.set_ylim(0.0, 1.0)
@@ -146,6 +156,46 @@ def roc(curves, path, *, far_range=(1e-6, 1.0), mark_far=(1e-3,), title=None):
     if title is not None:
         axes.set_title(title)
     return _save(canvas, path, fmt)
+
+
+def spread_labels(values, gap, low=0.0, high=1.0):
+    """Positions for labels of `values` on one axis, at least `gap` apart.
+
+    Each label stays as close to its value as the others allow: labels keep
+    the order of their values, runs of labels closer than `gap` are moved
+    apart around their mean, and the whole set is kept in `[low, high]`
+    (when it fits there).
+
+    Example:
+
+    >>> from kdpemb.plots import spread_labels
+    >>> [round(y, 3) for y in spread_labels([0.50, 0.51, 0.9], gap=0.05)]
+    [0.48, 0.53, 0.9]
+    """
+    values = np.asarray(values, dtype=float)
+    order = np.argsort(values, kind="stable")
+    # Clusters of consecutive labels, each centred on the mean of its values,
+    # merged while two neighbours overlap (pool adjacent violators).
+    clusters = []  # [sum of values, count]
+    for value in values[order]:
+        clusters.append([value, 1])
+        while len(clusters) > 1:
+            (sum_a, n_a), (sum_b, n_b) = clusters[-2], clusters[-1]
+            top_of_a = sum_a / n_a + gap * (n_a - 1) / 2
+            bottom_of_b = sum_b / n_b - gap * (n_b - 1) / 2
+            if bottom_of_b - top_of_a >= gap:
+                break
+            clusters[-2:] = [[sum_a + sum_b, n_a + n_b]]
+    positions = []
+    for total, count in clusters:
+        centre = total / count
+        positions.extend(centre + gap * (np.arange(count) - (count - 1) / 2))
+    positions = np.asarray(positions)
+    if len(positions) and positions[-1] - positions[0] <= high - low:
+        positions += max(low - positions[0], 0.0) - max(positions[-1] - high, 0.0)
+    placed = np.empty_like(positions)
+    placed[order] = positions
+    return [float(y) for y in placed]
 
 
 def plot_privacy_utility(

@@ -1,6 +1,6 @@
 """The kdpemb version (kept free of imports so that packaging can read it)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 """The version of kdpemb, "MAJOR.MINOR.PATCH".
 
 Example:

@@ -99,6 +99,20 @@ def test_version_is_exposed():
     assert kdpemb.__version__.count(".") == 2
 
 
+def test_version_is_the_changelogs_newest_heading():
+    # The version under development is the newest heading of CHANGELOG.md
+    # ("## 0.2.0 (unreleased)"): a release bumps both or neither.
+    import pathlib
+    import re
+
+    import kdpemb
+
+    changelog = pathlib.Path(__file__).parents[1] / "CHANGELOG.md"
+    newest = re.search(r"^## (\S+)", changelog.read_text(), re.MULTILINE)
+    assert newest is not None
+    assert kdpemb.__version__ == newest.group(1)
+
+
 def test_models_are_reachable_from_the_top_level():
     import kdpemb
     import kdpemb.models

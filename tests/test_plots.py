@@ -298,3 +298,52 @@ def test_importing_the_module_does_not_import_matplotlib():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+# Labels of the TAR at a marked FAR.
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[0.5, 0.51, 0.9], [0.2, 0.2, 0.2], [0.99, 0.995], [0.0, 0.01, 0.02, 0.5], [0.3]],
+)
+def test_spread_labels_keeps_order_gap_and_range(values):
+    gap = 0.05
+    placed = np.array(plots.spread_labels(values, gap))
+    order = np.argsort(values, kind="stable")
+    steps = np.diff(placed[order])
+    assert np.all(steps >= gap - 1e-12)
+    assert placed.min() >= -1e-12 and placed.max() <= 1 + 1e-12
+    # Labels move only as far as they must: the most any label moves is at
+    # most the gap times the number of labels.
+    assert np.max(np.abs(placed - values)) <= gap * len(values)
+
+
+def test_spread_labels_leaves_separate_labels_where_they_are():
+    assert plots.spread_labels([0.1, 0.6, 0.3], 0.05) == [0.1, 0.6, 0.3]
+
+
+@draws
+def test_roc_labels_of_close_curves_do_not_overlap(tmp_path, monkeypatch):
+    # The main job's curves often cross FAR = 1e-3 within 0.01 of each
+    # other; their labels used to be drawn on top of each other.
+    from matplotlib.axes import Axes
+
+    placed = []
+    annotate = Axes.annotate
+
+    def spy(self, text, xy, *args, **kwargs):
+        if not text.startswith("FAR"):
+            placed.append((float(xy[0]), kwargs["xytext"][1]))
+        return annotate(self, text, xy, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "annotate", spy)
+    curves = {
+        name: (FAR, [t + shift for t in TAR[:-1]] + [1.0])
+        for name, shift in (("a", 0.0), ("b", 0.005), ("c", 0.01))
+    }
+    plots.roc(curves, tmp_path / "roc.png", mark_far=(1e-3, 1e-2))
+    for mark in (1e-3, 1e-2):
+        heights = sorted(y for x, y in placed if x == mark)
+        assert len(heights) == 3
+        assert np.min(np.diff(heights)) >= 0.04

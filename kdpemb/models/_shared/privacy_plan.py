@@ -38,6 +38,7 @@ import keras
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
+from kdpemb.callbacks.count_progbar import with_count_progbar
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models._shared import frozen_settings
 from kdpemb.privacy import protocol
@@ -439,7 +440,7 @@ def guard_epochs(model, callbacks, steps_per_epoch, epochs, initial_epoch, calib
             functools.partial(forget_plan, model, schedule=None) if calibrated else None
         ),
     )
-    return with_guard(callbacks, guard, model)
+    return with_count_progbar(with_guard(callbacks, guard, model))
 
 
 def with_guard(callbacks, guard, model):

@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from kdpemb import distribute
+from kdpemb.callbacks.count_progbar import with_count_progbar
 from kdpemb.errors import (
     DataDependentScheduleWarning,
     HostsDisagreeError,
@@ -129,6 +130,7 @@ def checked_fit(model, x, kwargs, hosts):
         kwargs = arguments
     if model.target_epsilon is not None:
         kwargs = fedemb_privacy.plan_fit(model, x, arguments, verbose)
+    kwargs = {**kwargs, "callbacks": with_count_progbar(kwargs.get("callbacks"))}
     return x, kwargs, clients, verbose
 
 
