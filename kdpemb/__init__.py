@@ -14,11 +14,12 @@ Example:
 
 import importlib
 
-from kdpemb import _moved
+from kdpemb import _console, _keras_registration, _moved
 from kdpemb._backend_selection import check_supported_backend
 from kdpemb.version import __version__
 
 check_supported_backend()
+_console.install()  # A quiet console (kdpemb._console; KDPEMB_BACKEND_LOGS=1).
 _moved.install()  # Old import paths, for one release (kdpemb._moved).
 
 _SUBMODULES = (
@@ -52,3 +53,7 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(__all__)
+
+
+# `keras.saving.load_model` finds kdpemb's classes once Keras is imported.
+_keras_registration.install()

@@ -15,6 +15,7 @@ True
 """
 
 __all__ = [
+    "AccountingError",
     "CalibrationError",
     "CorruptDatasetError",
     "DataDependentScheduleWarning",
@@ -23,6 +24,7 @@ __all__ = [
     "HostsDisagreeError",
     "LostReleaseError",
     "NonFiniteFeaturesError",
+    "NonFiniteInputError",
     "PrivacyBudgetExhaustedError",
     "PrivacyWarning",
     "ReproducibleNoiseWarning",
@@ -162,10 +164,40 @@ class UnsupportedLayerError(ValueError):
     """
 
 
-class NonFiniteFeaturesError(ValueError):
+class NonFiniteInputError(ValueError):
+    """Data holds NaN or infinite values: refused before training uses it.
+
+    One rule in every trainer (`DPModel`, `LastLayerDPClassifier`,
+    `FedEmbModel` through `VirtualClients`, `CentralizedBaseline`) and in
+    `kdpemb.features.extract` and `write_user_shards`: non-finite inputs
+    (pixels, features, float targets) are refused, never dropped, since
+    dropping them would silently change the data the guarantee is about.
+    Arrays are checked before the first step; streams batch by batch as
+    they are read, before the batch is used. Nothing was trained or spent.
+    `row` is the first offending row (an int, or None where unknown).
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kdpemb.errors import NonFiniteInputError
+    >>> from kdpemb.models.last_layer.last_layer_inputs import check_data
+    >>> try:
+    ...     check_data(np.array([[0.0], [np.inf]]), np.array([0, 1]), 2)
+    ... except NonFiniteInputError as error:
+    ...     print(error.row, str(error)[:40])
+    1 features[1] holds NaN or infinite values
+    """
+
+    def __init__(self, message, row=None):
+        super().__init__(message)
+        self.row = row
+
+
+class NonFiniteFeaturesError(NonFiniteInputError):
     """A backbone gave NaN or infinite features (or embeddings).
 
-    `summary` says how many rows, and the first.
+    `summary` says how many rows, and the first. A `NonFiniteInputError`:
+    such features are the input of a last-layer fit.
 
     Example:
 
@@ -178,8 +210,8 @@ class NonFiniteFeaturesError(ValueError):
     (True, '1 of 4 rows')
     """
 
-    def __init__(self, message, summary=""):
-        super().__init__(message)
+    def __init__(self, message, summary="", row=None):
+        super().__init__(message, row)
         self.summary = summary
 
 
@@ -340,3 +372,23 @@ class HostsDisagreeError(RuntimeError):
     >>> issubclass(HostsDisagreeError, RuntimeError)
     True
     """
+
+
+class AccountingError(ValueError):
+    """dp-accounting failed to account for a mechanism at these values.
+
+    The message says which accountant, the mechanism's noise and steps,
+    dp-accounting's reason in one line and what to try; `detail` keeps
+    dp-accounting's whole message. Nothing was stated or spent.
+
+    Example:
+
+    >>> from kdpemb.errors import AccountingError
+    >>> error = AccountingError("The RDP accountant failed", detail="...")
+    >>> isinstance(error, ValueError), error.detail
+    (True, '...')
+    """
+
+    def __init__(self, message, detail=""):
+        super().__init__(message)
+        self.detail = detail

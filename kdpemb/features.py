@@ -22,6 +22,7 @@ import sys
 import keras
 import numpy as np
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import feature_cache
 from kdpemb.datasets import inputs
 from kdpemb.errors import NonFiniteFeaturesError
@@ -52,8 +53,11 @@ def extract(
     off and BatchNormalization uses its moving statistics), compiled, one
     batch at a time (`backbone.predict_on_batch`): memory holds one batch
     of images plus the features. Images of any numeric dtype (e.g. uint8)
-    are cast to the dtype of the backbone's input. Rows with NaN or
-    infinite features raise instead of feeding a DP fit.
+    are cast to the dtype of the backbone's input. NaN or infinite pixels
+    (after that cast) are refused before the backbone runs on them
+    (`kdpemb.errors.NonFiniteInputError`): arrays are scanned whole first,
+    a stream at its first such batch. Rows with NaN or infinite features
+    raise (`NonFiniteFeaturesError`) instead of feeding a DP fit.
 
     Which `data` gives what:
 
@@ -93,9 +97,9 @@ def extract(
             order. Arrays are hashed; a name given for them is added to the
             key. Defaults to `None`.
         verbose: "auto", 0, 1 or 2. 0 is silent, 1 a `keras.utils.Progbar`,
-            2 one line at the end; "auto" is 1 when stdout is a terminal or
-            a notebook and 0 otherwise (logs, CI, doctests). Defaults to
-            `"auto"`.
+            2 a line at the start and one at the end; "auto" is 1 when
+            stdout is a terminal or a notebook and 0 otherwise (logs, CI,
+            doctests). Defaults to `"auto"`.
 
     Returns:
         A float32 NumPy array `(N, D)`, or `(features, labels)` for data
@@ -108,7 +112,9 @@ def extract(
             `data_name` is invalid or missing; the backbone is not built or
             does not output `(batch, D)`; the data is empty, not numeric, or
             of an image shape the backbone does not take (both shapes are
-            named); or features are NaN or infinite (their rows are counted).
+            named); or pixels or features are NaN or infinite
+            (`NonFiniteInputError`, naming the first row; for features
+            `NonFiniteFeaturesError`, which counts their rows).
 
     Example:
 
@@ -136,6 +142,11 @@ def extract(
     source = inputs.open_input(data, ("images", "labels"), batch_size=batch_size)
     if not source.is_stream and spec.input_shape is not None:
         spec.check_image_shape(source.shape, source.name, stream=False)
+    if not source.is_stream:  # Arrays: scanned whole before the backbone runs.
+        finite_inputs.check_array(
+            source.arrays().images, "images", what="pixels", action="extract",
+            as_dtype=spec.dtype_for(source.dtype),
+        )  # fmt: skip
 
     if cache is not None:
         # A stream's labels are kept with its features; arrays' are the caller's.
@@ -151,8 +162,8 @@ def extract(
                 return features
             return features, labels if stored_labels else source.arrays().labels
 
-    features, labels, bad_images = _compute(spec, source, verbose)
-    _check_finite(features, bad_images)
+    features, labels = _compute(spec, source, verbose)
+    _check_finite(features)
     if cache is not None:
         cache.save(key, features, labels if stored_labels else None)
     return features if labels is None else (features, labels)
@@ -233,16 +244,18 @@ class _BackboneSpec:
         """`images` (numeric, from `kdpemb.datasets.inputs`) cast for the backbone."""
         if self.input_shape is not None:
             self.check_image_shape(images.shape, where, stream)
+        return images.astype(self.dtype_for(images.dtype), copy=False)
+
+    def dtype_for(self, dtype):
+        """The dtype images of `dtype` are cast to for the backbone."""
         if self.input_dtype is not None:
             try:
-                target = np.dtype(self.input_dtype)
+                return np.dtype(self.input_dtype)
             except TypeError:  # e.g. bfloat16: the backbone converts.
-                target = images.dtype
-        elif images.dtype.kind == "f":
-            target = images.dtype
-        else:
-            target = np.dtype(keras.config.floatx())
-        return images.astype(target, copy=False)
+                return np.dtype(dtype)
+        if np.dtype(dtype).kind == "f":
+            return np.dtype(dtype)
+        return np.dtype(keras.config.floatx())
 
     def check_image_shape(self, shape, where, stream):
         inputs.check_input_shape(self.input_shape, shape, where, stream=stream)
@@ -320,6 +333,10 @@ def _compute(spec, source, verbose):
     progbar = (
         keras.utils.Progbar(source.num_batches, verbose=verbose) if verbose else None
     )
+    if verbose == 2:  # A log: what runs, before the line at the end.
+        count = source.num_examples
+        of = "" if count is None else f" of {count:,} images"
+        print(f"Extracting the features{of}…", flush=True)
 
     def capacity(first_rows):  # Total rows, or None where unknown.
         if not source.is_stream or source.num_batches is None:
@@ -328,16 +345,18 @@ def _compute(spec, source, verbose):
 
     rows = _Rows(capacity)
     labels = []
-    bad_images = 0
     step = 0
     for batch in source.batches():
+        if source.is_stream:  # Refused before the cast and the backbone.
+            finite_inputs.check_rows(
+                batch.images, "images", first=rows.count, what="pixels",
+                where=batch.where, action="extract",
+                as_dtype=spec.dtype_for(batch.images.dtype),
+            )  # fmt: skip
         images = spec.prepare(batch.images, batch.where, source.is_stream)
         if batch.labels is not None:
             labels.append(batch.labels)
         if len(images):
-            if images.dtype.kind == "f":
-                finite = np.isfinite(images.reshape(len(images), -1)).all(axis=1)
-                bad_images += int(np.count_nonzero(~finite))
             first = rows.count == 0
             rows.append(spec.run(images, batch.where, first), batch.where)
         step += 1
@@ -345,18 +364,17 @@ def _compute(spec, source, verbose):
             progbar.update(step)
     if progbar is not None and source.num_batches is None:
         progbar.update(step, finalize=True)
-    return rows.array(), np.concatenate(labels) if labels else None, bad_images
+    return rows.array(), np.concatenate(labels) if labels else None
 
 
-def _check_finite(features, bad_images):
+def _check_finite(features):
     finite = np.isfinite(features).all(axis=1)
     if finite.all():
         return
     bad = np.flatnonzero(~finite)
+    # Non-finite images were refused before the backbone ran on them.
     cause = (
-        f"{bad_images} image(s) hold NaN or infinite pixels; clean the data"
-        if bad_images
-        else "the images are finite, so check the backbone's weights for NaN "
+        "the images are finite, so check the backbone's weights for NaN "
         "(e.g. a diverged pre-training) and its layers"
     )
     summary = (
@@ -367,4 +385,5 @@ def _check_finite(features, bad_images):
         f"{summary}; {cause}. A DP fit on them would be meaningless, so "
         "nothing was returned or cached.",
         summary,
+        row=int(bad[0]),
     )

@@ -4,11 +4,13 @@ Usage: python crash_child.py fit DIR PAUSE_AT PHASE MODEL
        python crash_child.py save DIR
 
 `fit` trains MODEL ("dp": a `DPModel`, example-level DP-SGD; "fedemb": a
-`FedEmbModel` on `VirtualClients` rounds, user-level) with
+`FedEmbModel` on `VirtualClients` rounds, user-level; "target": a
+`DPModel` with a `target_epsilon`, over TARGET_EPOCHS epochs) with
 AtomicBackupAndRestore, PrivacyLedger and PrivacyBudget, pausing (for the
 kill) once the ledger has counted PAUSE_AT steps: at the batch's begin
-(the step has begun, not run) or its end. A run that is not killed
-writes DIR/result.json. `save` writes complete files (atomically, and
+(the step has begun, not run) or its end; PHASE "kill" SIGKILLs itself
+at that batch's begin instead. A run that is not killed writes
+DIR/result.json. `save` writes complete files (atomically, and
 with Keras), then pauses while writing each again.
 
 Both models are tiny (a linear network) so that the child's cost is
@@ -23,6 +25,7 @@ rather than leave it waiting.
 
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -34,13 +37,13 @@ from kdpemb import _atomic, callbacks, saving
 from kdpemb.privacy import ledger, protocol
 
 DELTA, TARGET, NOISE = 1e-3, 1.0, {"dp": 1.5, "fedemb": 2.5}
-STEPS_PER_EPOCH, EPOCHS, SAVE_FREQ = 10, 6, 4
+STEPS_PER_EPOCH, EPOCHS, SAVE_FREQ, TARGET_EPOCHS = 10, 6, 4, 4
 # DPModel: N examples, expected batch B: q = 0.1, N / B = 10 steps an epoch.
 N, D, B = 80, 3, 8
 # FedEmbModel: USERS users of 2 examples in P = USERS / K virtual clients
 # of K users, M of them expected per round (q = 0.1), 10 rounds an epoch.
 USERS, K, M, IMAGE = 40, 2, 2, (2, 2, 1)
-MODELS = ("dp", "fedemb")
+MODELS = ("dp", "fedemb", "target")
 
 
 def paths(directory):
@@ -77,6 +80,8 @@ class Observer(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self.phase == "begin" and self._ledger_steps() == self.pause_at:
             pause("PAUSED")
+        if self.phase == "kill" and self._ledger_steps() == self.pause_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # The step has begun.
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches += 1
@@ -98,18 +103,35 @@ class Restored(keras.callbacks.Callback):
         self.epoch = self.model._initial_epoch or 0
 
 
-def dp_fit(fit_callbacks):
-    """A linear `DPModel` (DP-SGD, Poisson batches of B expected of N)."""
+def dp_fit(fit_callbacks, target=False):
+    """A linear `DPModel` (DP-SGD, Poisson batches of B expected of N); with
+    `target`, its noise calibrated for ε = TARGET over TARGET_EPOCHS."""
     from kdpemb.models import DPModel
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, D)).astype("float32")
     y = (x @ rng.normal(size=D) + 0.1 * rng.normal(size=N)).astype("float32")
     network = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
-    model = DPModel(network, clip_norm=1.0, noise_multiplier=NOISE["dp"])
+    noise = (
+        {"target_epsilon": TARGET, "delta": DELTA}
+        if target
+        else {"noise_multiplier": NOISE["dp"]}
+    )
+    model = DPModel(network, clip_norm=1.0, **noise)
     model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=B, epochs=EPOCHS, verbose=0, callbacks=fit_callbacks)
-    return model, {}
+    epochs = TARGET_EPOCHS if target else EPOCHS
+    model.fit(x, y, batch_size=B, epochs=epochs, verbose=0, callbacks=fit_callbacks)
+    extra = {}
+    if target:
+        extra = {
+            "planned_steps": model.planned_steps,
+            "noise_multiplier": model.noise_multiplier,
+        }
+    return model, extra
+
+
+def target_fit(fit_callbacks):
+    return dp_fit(fit_callbacks, target=True)
 
 
 def fedemb_fit(fit_callbacks):
@@ -156,7 +178,10 @@ def fit(directory, pause_at, phase, kind):
     where = paths(directory)
     restored = Restored()
     privacy_ledger = callbacks.PrivacyLedger(where["ledger"])
-    budget = callbacks.PrivacyBudget(DELTA, target_epsilon=TARGET, verbose=0)
+    # A target-ε model keeps its own plan: the budget only states ε.
+    budget = callbacks.PrivacyBudget(
+        DELTA, target_epsilon=None if kind == "target" else TARGET, verbose=0
+    )
     observer = Observer(where, pause_at, phase)
     fit_callbacks = [
         callbacks.AtomicBackupAndRestore(
@@ -167,7 +192,8 @@ def fit(directory, pause_at, phase, kind):
         budget,
         observer,
     ]
-    model, extra = {"dp": dp_fit, "fedemb": fedemb_fit}[kind](fit_callbacks)
+    fits = {"dp": dp_fit, "fedemb": fedemb_fit, "target": target_fit}
+    model, extra = fits[kind](fit_callbacks)
     statement = model.privacy_statement(DELTA)
     result = {
         "model": type(model).__name__,

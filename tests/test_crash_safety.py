@@ -84,6 +84,13 @@ def kill_when(process, line):
     raise AssertionError(f"exited without {line!r}: {stderr_of(process)}")
 
 
+def run_killed(process):
+    """Waits for a child that SIGKILLs itself (PHASE "kill")."""
+    process.communicate()
+    stderr = stderr_of(process)
+    assert process.returncode == -signal.SIGKILL, stderr
+
+
 def run_to_end(process):
     stdout, _ = process.communicate()  # Closes stdin: a pause would end it.
     stderr = stderr_of(process)
@@ -109,18 +116,19 @@ def mechanism_of(kind):
     return schedule.privacy_mechanism(child.NOISE[kind], clip_norm=1.0)
 
 
-def dp_accounting_epsilon(kind, steps):
+def dp_accounting_epsilon(kind, steps, noise=None):
     """ε of `steps` Poisson-sampled Gaussian steps, from dp-accounting itself:
     examples added or removed (DPModel, q = B / N); or a virtual client of
     K > 1 users replaced (FedEmbModel, q = M / P), as the user-level
-    guarantee is accounted."""
-    if kind == "dp":
+    guarantee is accounted. `noise` defaults to the child's for `kind`."""
+    noise = child.NOISE[kind] if noise is None else noise
+    if kind in ("dp", "target"):
         q, relation = child.B / child.N, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
     else:
         q = child.M / (child.USERS // child.K)
         relation = dpa.NeighboringRelation.REPLACE_ONE
     event = dpa.SelfComposedDpEvent(
-        dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(child.NOISE[kind])), steps
+        dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(noise)), steps
     )
     accountant = dpa.pld.PLDAccountant(relation, value_discretization_interval=1e-4)
     return accountant.compose(event).get_epsilon(child.DELTA)
@@ -196,6 +204,59 @@ def test_a_killed_fit_resumes_with_every_step_it_began_counted(
         # process's rounds were of other draws).
         served = [tuple(pair) for pair in result["served"]]
         assert len(set(served)) == len(served) >= result["batches_run"]
+    assert no_partial_files(tmp_path) == []
+
+
+def test_a_killed_target_epsilon_run_finishes_its_plan_when_rerun(start, tmp_path):
+    # The same script (a DPModel with target_epsilon over epochs=4) is
+    # killed twice mid-epoch, between backups, and run again unchanged:
+    # each rerun adopts the plan the ledger keeps (no new calibration) and
+    # the last finishes it exactly, counting the steps the killed
+    # processes began, not the epochs Keras reruns from their start.
+    where = child.paths(tmp_path)
+    planned = child.TARGET_EPOCHS * child.STEPS_PER_EPOCH
+    plans = []
+    for kill_at in (13, 27):  # Never on a backup (every 4 steps of a run).
+        run_killed(start("fit", tmp_path, kill_at, "kill", "target"))
+        record = ledger.read_ledger(where["ledger"])
+        assert record["steps"] == kill_at
+        plans.append(record["plan"])
+    plan = plans[0]
+    assert plans[1] == plan  # The rerun adopted the kept plan.
+    assert plan["planned_steps"] == planned and plan["target_epsilon"] == child.TARGET
+    assert not os.path.exists(where["result"])
+
+    run_to_end(start("fit", tmp_path, -1, "kill", "target"))
+    result = json.loads(pathlib.Path(where["result"]).read_text())
+    z = plan["calibrated_noise_multiplier"]
+    assert result["noise_multiplier"] == z  # The first run's, not another.
+    assert result["planned_steps"] == planned
+    # The backup alone would have lost steps; the ledger restored them.
+    assert result["restored_steps"] < 27
+    assert result["ledger_raised_by"] == 27 - result["restored_steps"]
+    # Keras reran the backup's epoch from its start, and would have run
+    # more steps than the plan had left: the guard stopped at its end.
+    assert result["restored_epoch"] >= 1
+    epochs_left = child.TARGET_EPOCHS - result["restored_epoch"]
+    assert result["batches_run"] == planned - 27 < epochs_left * child.STEPS_PER_EPOCH
+    assert result["private_steps"] == result["model_statement_steps"] == planned
+    assert result["statement_steps"] == planned
+    record = ledger.read_ledger(where["ledger"])
+    assert record["steps"] == planned and record["plan"] == plan
+    mechanism = privacy.dp_sgd(
+        z, batch_size=child.B, num_examples=child.N, clip_norm=1.0
+    )
+    assert result["mechanism"] == record["mechanism"]
+    assert record["mechanism"] == ledger.mechanism_parameters(mechanism)
+    # ε of the plan: the target, spent and never exceeded.
+    epsilon = privacy.epsilon(mechanism, planned, child.DELTA)
+    assert result["model_statement_epsilon"] == pytest.approx(epsilon, rel=1e-9)
+    assert child.TARGET * 0.99 < epsilon <= child.TARGET * (1 + 1e-6)
+    assert epsilon == pytest.approx(
+        dp_accounting_epsilon("target", planned, z), rel=1e-3
+    )
+    logged = [float(x) for x in pathlib.Path(where["epsilons"]).read_text().split()]
+    assert max(logged) <= epsilon
     assert no_partial_files(tmp_path) == []
 
 

@@ -91,14 +91,16 @@ def test_the_main_job_writes_its_run_and_states_a_simulated_deployment(tmp_path)
     import keras
 
     out, err, run_dir = run_main_job(tmp_path, "--target-epsilon", "6")
-    # A clean console: TensorFlow's native logs go to native.log, and the
-    # job leaves no iterator to finalise at exit.
+    # A clean console (kdpemb holds the backends' lines back), and the job
+    # leaves no iterator to finalise at exit.
     assert err == "", err[-2000:]
     for noise in ("GeneratorDataset", "cuInit", "absl", "oneDNN", "retracing"):
         assert noise not in out, noise
+    # The quick figures say what they mean at that size.
+    assert "quick mode: a tiny model and data" in out
     results = json.loads((run_dir / "results.json").read_text())
     assert set(results["files"]) == {path.name for path in run_dir.iterdir()} == {
-        "results.json", "roc.png", "backbone.keras", "native.log",
+        "results.json", "roc.png", "backbone.keras",
         "simulated_deployment.txt", "simulated_deployment.json",
     }  # fmt: skip
     released = results["recall_on_held_out_identities"]
@@ -224,7 +226,14 @@ def test_dp_sgd_finetune_example_compares_full_and_last_layer_at_one_epsilon():
     out = run_example(
         "dp_sgd_finetune.py", "--quick", "--epsilon", "3", "--train-images", "4"
     )
-    rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
+    lines = out.splitlines()
+    # Progress while it runs (a line per method, one per DP-SGD epoch of
+    # the full fine-tuning), then the table, then what quick figures mean.
+    assert "seed 0, full fine-tuning: pretraining" in out
+    assert sum(line.startswith("epoch ") for line in lines) == 2
+    header = lines.index(next(line for line in lines if line.startswith("seed  ")))
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
+    assert lines[header + 3].startswith("quick mode: ")
     methods = [" ".join(row[1:-3]) for row in rows]
     assert methods == ["last layer", "full fine-tuning"]
     for row in rows:

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from kdpemb import feature_cache
 from kdpemb.datasets import UserImages, synthetic_identities
+from kdpemb.errors import NonFiniteInputError
 from kdpemb.features import extract
 
 N = 10  # Not a multiple of the batch size 4.
@@ -369,14 +370,17 @@ def test_a_truncated_cache_file_is_recomputed(tmp_path):
 # Errors.
 
 
-def test_nan_pixels_give_nan_rows_that_raise_and_are_not_cached(tmp_path):
-    backbone = make_backbone()
+def test_nan_pixels_are_refused_before_the_backbone_and_not_cached(tmp_path):
+    # Arrays are scanned whole before the backbone runs on any batch (armed:
+    # a run raises), so the count covers every row, not one batch's.
+    backbone = make_backbone(armed=True)
     x = images().astype("float32")
-    x[[2, 7], 0, 0, 0] = np.nan
-    with pytest.raises(ValueError, match=r"2 of 10 rows .* row 2; 2 image"):
+    x[[6, 7], 0, 0, 0] = np.nan  # The second batch of 4.
+    with pytest.raises(NonFiniteInputError, match=r"images\[6\] holds NaN") as seen:
         extract(
             backbone, x, batch_size=4, cache=tmp_path, backbone_name=NAME, verbose=0
         )
+    assert seen.value.row == 6 and f"2 of the rows 0..{N - 1}" in str(seen.value)
     assert cache_files(tmp_path) == []
 
 

@@ -44,11 +44,17 @@ class PrivacyLedger(keras.callbacks.Callback):
     mechanism: give each training run its own path, and keep it after the
     run (it is the record of what the run spent;
     `kdpemb.privacy.ledger_statement` states it even if the run is never
-    resumed). Each private step costs one small atomic file write: about
-    10 ms with `durable=True` (fsync) and 0.7 ms without on a container's
-    overlay disk, less on a local SSD. On several hosts (`kdpemb.distribute`)
-    the chief alone reads and writes the ledger and shares its count: give
-    every host the same path.
+    resumed). A model with a `target_epsilon` hands its plan to the
+    ledger (`plan`), which keeps it with the count: the same script run
+    again after a kill builds a model that adopts that plan (the same
+    noise, the same planned steps) and finishes it, the steps the killed
+    run began counted, the epoch Keras reruns cut short at the plan's end
+    (`kdpemb.privacy.ledger.plan_arguments` rebuilds the model's
+    arguments from the file). Each private step costs one small atomic
+    file write: about 10 ms with `durable=True` (fsync) and 0.7 ms without
+    on a container's overlay disk, less on a local SSD. On several hosts
+    (`kdpemb.distribute`) the chief alone reads and writes the ledger and
+    shares its count: give every host the same path.
 
     Args:
         path: str or path. The ledger file (JSON), e.g. next to the backup.
@@ -61,6 +67,10 @@ class PrivacyLedger(keras.callbacks.Callback):
     Attributes:
         restored_steps: int. The steps this fit's start added to
             `private_steps` from the ledger (0 when nothing was lost).
+        plan: dict or None. The target-ε plan written with the count from
+            the fit's first step on (`kdpemb.privacy.ledger.plan_record`),
+            set by a kdpemb model's `fit`; None keeps the plan the file
+            already holds, if any.
 
     Example:
 
@@ -98,6 +108,8 @@ class PrivacyLedger(keras.callbacks.Callback):
         self.durable = bool(durable)
         self.verbose = verbose
         self.restored_steps = 0
+        self.plan = None
+        self._recorded_plan = None
         self._mechanism = None
         self._record = None
         self._floor = 0
@@ -130,7 +142,11 @@ class PrivacyLedger(keras.callbacks.Callback):
                 )
             model.private_steps.assign(raised)
             steps = raised
-        self._record = ledger.ledger_record(self._mechanism, steps, self._model_name())
+        # The file's plan until the first step: a fit refused at train
+        # begin (after this callback) leaves the plan it found.
+        self._record = ledger.ledger_record(
+            self._mechanism, steps, self._model_name(), self._recorded_plan
+        )
         self._floor = self._counted = steps
         self._write(steps)
 
@@ -140,6 +156,9 @@ class PrivacyLedger(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_begin = batch
+        if self.plan is not None and self._record.get("plan") != self.plan:
+            # Kept from the first step of a fit its guard accepted.
+            self._record["plan"] = ledger.check_plan_record(self.plan)
         self._write(self._counted + self._execution_steps(batch))
 
     def on_train_batch_end(self, batch, logs=None):
@@ -163,6 +182,7 @@ class PrivacyLedger(keras.callbacks.Callback):
         every host)."""
         code = 0  # 0: no ledger, 1: refused, 2 + n: n steps.
         refusal = None
+        self._recorded_plan = None  # Kept by the chief, the one writer.
         if self._hosts.is_chief:
             try:
                 record = ledger.read_ledger(
@@ -174,6 +194,8 @@ class PrivacyLedger(keras.callbacks.Callback):
                 code, refusal = 1, error
             else:
                 code = 0 if record is None else 2 + record["steps"]
+                if record is not None:
+                    self._recorded_plan = record.get("plan")
         code = self._hosts.broadcast_int(code)
         if code == 1:
             if refusal is not None:

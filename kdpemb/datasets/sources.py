@@ -4,9 +4,10 @@ Accepted by `open_source`: a `UserImages`; arrays (or a lazy array-like
 such as `SyntheticImages`) with labels and user ids; a `tf.data.Dataset`
 or a `keras.utils.PyDataset` yielding `(images, labels, user_ids)`
 (batched or not, or dicts with those keys). `kdpemb.datasets.inputs`
-reads them. The checks (`check_image_shape`, `check_finite`,
-`check_labels`, `check_user_ids`) serve `kdpemb.data.VirtualClients`
-whole and `write_user_shards` block by block. Imports no Keras.
+reads them. The checks (`check_image_shape`, `check_labels`,
+`check_user_ids`; finite pixels: `kdpemb._finite_inputs`) serve
+`kdpemb.data.VirtualClients` whole and `write_user_shards` block by
+block. Imports no Keras.
 
 Example:
 
@@ -84,39 +85,6 @@ def check_image_shape(shape):
         )
         raise ValueError(
             f"images must have shape (N, height, width, channels), got {shape}." + hint
-        )
-
-
-def check_finite(images, first=0):
-    """Refuses NaN or infinite pixels in rows `first...` of the images.
-
-    `images` is a block of rows (an array, or a slice of a lazy
-    array-like) that starts at row `first` of the data; the error names
-    the data's row.
-
-    Example:
-
-    >>> import numpy as np
-    >>> block = np.zeros((3, 2, 2, 1), np.float32)
-    >>> block[1, 0, 0, 0] = np.nan
-    >>> try:
-    ...     check_finite(block, first=100)
-    ... except ValueError as error:
-    ...     print(str(error)[:45])
-    images[101] holds NaN or infinite pixels (1 b
-    """
-    chunk = np.asarray(images)
-    if chunk.dtype.kind != "f":
-        return
-    bad = ~np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1)
-    if bad.any():
-        index = first + int(np.flatnonzero(bad)[0])
-        count = int(bad.sum())
-        raise ValueError(
-            f"images[{index}] holds NaN or infinite pixels ({count} bad "
-            f"image(s) in rows {first}..{first + len(chunk) - 1} alone). "
-            "Remove or repair these images before training; a non-finite "
-            "input would poison the clipped update of its virtual client."
         )
 
 

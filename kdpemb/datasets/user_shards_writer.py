@@ -23,6 +23,7 @@ import shutil
 
 import numpy as np
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as validation
 from kdpemb._atomic import PARTIAL_PREFIX
 from kdpemb.datasets import shard_format, sources, user_hash
@@ -252,6 +253,8 @@ class _Writer:
         self.row_shape = self.dtype = self.id_kind = None
         self.num_images, self.max_label, self.max_identities = 0, -1, 0
         self._names = 0
+        # File name (or `shard_format.LAYOUT`): its digest, `shard_format`.
+        self.digests = {}
 
     def _path(self):
         self._names += 1
@@ -329,7 +332,12 @@ class _Writer:
                 f"{images.dtype}. Resize and cast them to one shape and dtype "
                 "first (e.g. keras.layers.Resizing and a cast in a map)."
             )
-        sources.check_finite(images, first=first)
+        # As the float32 kdpemb's trainers cast pixels to (1e39 would turn
+        # infinite), since a UserShards is not scanned again when read.
+        finite_inputs.check_rows(
+            images, "images", first=first, what="pixels", action="writing them",
+            as_dtype="float32",
+        )  # fmt: skip
         self.num_images += len(images)
         return images
 
@@ -435,6 +443,7 @@ class _Writer:
 
     def _save(self, name, array):
         np.save(os.path.join(self.staging, name), array)
+        self.digests[name] = shard_format.digest(array)
 
     def _write_shards(self, grouped):
         num_classes = self.num_classes or self.max_label + 1
@@ -517,6 +526,11 @@ class _Writer:
                     labels_out[rows[take] - low] = labels_b[position[take]]
             images_out.flush()
             labels_out.flush()
+            self.digests[names["labels"]] = shard_format.digest(labels_out)
+            self.digests[names["images"]] = shard_format.sampled_digest(
+                images_out,
+                os.path.getsize(os.path.join(self.staging, names["images"])),
+            )
             del images_out, labels_out
             shards.append(
                 {
@@ -541,6 +555,8 @@ class _Writer:
             "index": dict(shard_format.INDEX_FILES),
             "shards": shards,
         }
+        self.digests[shard_format.LAYOUT] = shard_format.layout_digest(manifest)
+        manifest["digests"] = self.digests
         for name in os.listdir(self.staging):
             path = os.path.join(self.staging, name)
             if os.path.isfile(path):

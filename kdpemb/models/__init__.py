@@ -23,6 +23,7 @@ from kdpemb.models.clip_suggestions import suggest_clip_norm, suggest_feature_cl
 from kdpemb.models.dp_sgd import DPModel
 from kdpemb.models.fedemb import FedEmbModel
 from kdpemb.models.heads import CosineHead
+from kdpemb.models.hub_backbones import hub_backbone
 from kdpemb.models.last_layer import (
     ClipFeatures,
     LastLayerDPClassifier,
@@ -39,6 +40,7 @@ __all__ = [
     "LastLayerDPClassifier",
     "check_backbone",
     "dense_gradient_norms",
+    "hub_backbone",
     "pretrain",
     "replace_batchnorm",
     "resnet_gn",

@@ -35,9 +35,13 @@ def replace_batchnorm(model, mode="group_norm", groups=32):
     channel count that is <= `groups` (GroupNormalization needs a divisor):
     48 channels with `groups=32` give 24 groups, 7 channels give 7. Every
     other layer is a copy with the original's weights. Only Sequential and
-    functional models can be rebuilt so; a subclassed model (or a layer
-    holding BatchNormalization inside one) raises `TypeError`: build it
-    with GroupNormalization, or freeze its BatchNormalization.
+    functional models can be rebuilt so, subclasses of `keras.Model` built
+    functionally included (keras-hub and keras-cv backbones: they come back
+    as plain functional models with the same layers); a subclassed model
+    (or a layer holding BatchNormalization inside one, such as keras-hub's
+    MobileNet blocks) raises `TypeError`: build it with GroupNormalization,
+    or freeze its BatchNormalization. A model without any
+    BatchNormalization is returned as is: there is nothing to replace.
 
     `mode="freeze"` changes `model` in place and returns it: every
     BatchNormalization gets `trainable = False`, so Keras normalises with
@@ -87,6 +91,11 @@ def replace_batchnorm(model, mode="group_norm", groups=32):
             if isinstance(layer, keras.layers.BatchNormalization):
                 layer.trainable = False
         return model
+    if not any(
+        isinstance(layer, keras.layers.BatchNormalization)
+        for layer in all_layers(model)
+    ):
+        return model
     if not _rebuildable(model):
         raise TypeError(_cannot_rebuild(model))
     return _Rebuild(groups).run(model)
@@ -116,6 +125,20 @@ def _cannot_rebuild(layer, inside=None):
         "from public data (e.g. ImageNet-pretrained weights), use "
         "replace_batchnorm(model, mode='freeze')."
     )
+
+
+def _copy_of(layer):
+    """A new layer from `layer`'s config, or an error naming the layer."""
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as error:
+        raise TypeError(
+            f"replace_batchnorm cannot copy {type(layer).__name__} "
+            f"{layer.name!r}: {type(layer).__name__}.from_config(layer."
+            f"get_config()) fails ({type(error).__name__}: {error}). Fix the "
+            "layer's get_config (or from_config), or build the model with "
+            "keras.layers.GroupNormalization instead of BatchNormalization."
+        ) from error
 
 
 def _inputs_like(model):
@@ -178,11 +201,15 @@ class _Rebuild:
         elif isinstance(layer, keras.layers.BatchNormalization):
             new = self.group_norm(layer)
             self.pairs.append((layer, new))
+        elif not isinstance(layer, keras.layers.Layer):
+            # An operation of the graph without weights (`x + y`,
+            # `keras.ops.pad` on a symbolic tensor).
+            new = layer.__class__.from_config(layer.get_config())
         else:
             for inner in all_layers(layer):
                 if isinstance(inner, keras.layers.BatchNormalization):
                     raise TypeError(_cannot_rebuild(layer, inside=inner.name))
-            new = layer.__class__.from_config(layer.get_config())
+            new = _copy_of(layer)
             self.pairs.append((layer, new))
         self.clones[id(layer)] = new
         return new

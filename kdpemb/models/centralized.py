@@ -3,13 +3,17 @@
 DP-FedEmb's utility is judged against ordinary training of the same
 backbone on the same examples with a softmax over every identity. This is
 that model, trained with plain `compile` / `fit` on `(images, labels)`.
-It has no privacy guarantee at all.
+It has no privacy guarantee at all. Like every kdpemb trainer, it refuses
+NaN or infinite pixels in arrays before training.
 """
+
+import inspect
 
 import keras
 import numpy as np
 from keras import ops
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as validation
 from kdpemb.models import backbone_checks, heads
 
@@ -111,10 +115,12 @@ class CentralizedBaseline(keras.Model):
                 f"labels must lie in [0, {self.num_classes}) (num_classes); got "
                 f"values from {labels.min()} to {labels.max()}."
             )
+        finite_inputs.check_array(
+            images, "images", what="pixels", action="imprint_head", as_dtype="float32"
+        )
+        images = np.asarray(images, "float32")
         embeddings = np.asarray(
-            self.backbone.predict(
-                np.asarray(images, "float32"), batch_size=batch_size, verbose=0
-            ),
+            self.backbone.predict(images, batch_size=batch_size, verbose=0),
             "float64",
         )
         norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
@@ -129,6 +135,26 @@ class CentralizedBaseline(keras.Model):
         if getattr(self.classifier, "bias", None) is not None:
             self.classifier.bias.assign(np.zeros(self.num_classes, "float32"))
         return int(present.sum())
+
+    def fit(self, x=None, y=None, *args, **kwargs):
+        """Keras' `fit`. NaN or infinite pixels, float targets or sample
+        weights in arrays (`x`, `y`, `sample_weight`, `validation_data`)
+        are refused first (`kdpemb.errors.NonFiniteInputError`), as by
+        every kdpemb trainer, and so are pixels beyond float32's range; a
+        dataset or generator is passed on as it is, unchecked."""
+        given = inspect.signature(super().fit).bind(x, y, *args, **kwargs).arguments
+        for part, what in (
+            ("x", "pixels"),
+            ("y", "targets"),
+            ("sample_weight", "weights"),
+        ):
+            finite_inputs.check_structure(
+                given.get(part), part, what=what, action="fit", as_dtype="float32"
+            )
+        finite_inputs.check_validation_data(
+            given.get("validation_data"), as_dtype="float32"
+        )
+        return super().fit(x, y, *args, **kwargs)
 
     def call(self, images, training=False):
         """Class logits of `images`."""

@@ -11,6 +11,7 @@ to be used without protection).
 import keras
 import numpy as np
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as checks
 from kdpemb.datasets.user_images import UserImages
 from kdpemb.models import backbone_checks, heads
@@ -94,6 +95,11 @@ def pretrain(
     callbacks = list(callbacks or [])
     if validation is not None:
         held_images, held_labels = _public_arrays(backbone, validation, "validation")
+        # Refused as in every fit (`public_data` is, by CentralizedBaseline.fit).
+        finite_inputs.check_array(
+            held_images, "images", what="pixels", where="validation",
+            action="pretrain", as_dtype="float32",
+        )  # fmt: skip
         from kdpemb.callbacks import RecallAtFAR
 
         callbacks.insert(0, RecallAtFAR((held_images, held_labels), backbone=backbone))

@@ -34,6 +34,7 @@ from kdpemb.privacy.deployment import (
 )
 from kdpemb.privacy.gaussian_release import GaussianRelease
 from kdpemb.privacy.ledger import ledger_statement
+from kdpemb.privacy.loss_release import LossRelease
 from kdpemb.privacy.mechanism_builders import (
     dp_sgd,
     full_batch,
@@ -61,6 +62,7 @@ __all__ = [
     "DeploymentStatement",
     "GaussianRelease",
     "GaussianReleases",
+    "LossRelease",
     "Mechanism",
     "PrivacyStatement",
     "PrivateModel",

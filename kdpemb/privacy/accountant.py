@@ -24,6 +24,8 @@ import collections
 import contextlib
 import functools
 import math
+import numbers
+import re
 
 import dp_accounting as dpa
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -31,7 +33,7 @@ from dp_accounting.pld import privacy_loss_mechanism as loss_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from kdpemb import _validation as validation
-from kdpemb.errors import UnsupportedMechanismError
+from kdpemb.errors import AccountingError, UnsupportedMechanismError
 from kdpemb.privacy import analytic_gaussian
 from kdpemb.privacy.mechanisms import Mechanism, Relation
 
@@ -113,8 +115,73 @@ def _unsupported_message(mechanism, method, detail):
     return (
         f"The {method.upper()} accountant cannot account for this mechanism: "
         f"{reason}. Use the {other.upper()} accountant (accountant={other!r}; "
-        f"on the command line --accountant {other}). (dp-accounting said: {detail})"
+        f"on the command line --accountant {other}). (dp-accounting: {detail})"
     )
+
+
+def dp_accounting_cause(error):
+    """dp-accounting's reason for `error` in one line, without its dump of
+    the events (their reprs run to kilobytes for composed schedules).
+
+    Example:
+
+    >>> dp_accounting_cause(ValueError(
+    ...     "Unsupported event: SelfComposedDpEvent(event=ZCDpEvent(rho=0.1), "
+    ...     "count=1). Error: [Unsupported event.] caused by subevent "
+    ...     "ZCDpEvent(rho=0.1)."))
+    'Unsupported event (ZCDpEvent).'
+    """
+    text = " ".join(str(error).split())
+    reasons = re.findall(r"\[([^\[\]]+)\]", text)
+    if reasons:
+        reason = reasons[-1].strip().rstrip(".")
+        subevent = re.search(r"caused by subevent (\w+)", text)
+        text = reason + (f" ({subevent.group(1)})" if subevent else "") + "."
+    if len(text) > 200:
+        text = text[:197] + "..."
+    text = text or type(error).__name__
+    return text if text.endswith((".", "...")) else text + "."
+
+
+def _raised_by_dp_accounting(error):
+    """Whether dp-accounting's code is on `error`'s traceback."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").startswith("dp_accounting"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _check_rdp_orders(orders):
+    """`orders` as a list of finite floats > 1 (None: dp-accounting's).
+
+    An empty list, or only infinite orders, would let dp-accounting report
+    ε = 0; an order of 1 gives ε = ∞ with a warning of division by zero.
+    """
+    if orders is None:
+        return None
+    if isinstance(orders, str) or not hasattr(orders, "__iter__"):
+        raise TypeError(
+            f"rdp_orders must be a sequence of numbers > 1, got {orders!r}."
+        )
+    orders = list(orders)
+    bad = [
+        o
+        for o in orders
+        if not isinstance(o, numbers.Real)
+        or isinstance(o, bool)
+        or not math.isfinite(o)
+        or o <= 1
+    ]
+    if not orders or bad:
+        raise ValueError(
+            "rdp_orders must be a non-empty sequence of finite numbers > 1 "
+            f"(e.g. [1.5, 2, 4, 8, 16, 32, 64]), got {orders!r}"
+            + (f": {bad[0]!r} is not one." if bad else ".")
+            + " Or pass None for dp-accounting's orders."
+        )
+    return [float(o) for o in orders]
 
 
 def _check_accountant(name):
@@ -160,13 +227,15 @@ class Accountant:
             seconds, not hours; ε stays an upper bound
             (`value_discretization_interval_used`). A span too wide for a
             grid of 1 (z around 1e-3 and below) raises ValueError.
-        rdp_orders: sequence of float or None. RDP orders; defaults to
-            dp-accounting's.
+        rdp_orders: sequence of float or None. RDP orders, each finite and
+            above 1; defaults to dp-accounting's.
 
     Raises:
         UnsupportedMechanismError: if the method cannot model the mechanism
             under its neighbouring relation (e.g. RDP for virtual clients of
             several users, PLD for fixed-size sampling).
+        AccountingError: if dp-accounting fails on the mechanism's values
+            (its reason in one line; its whole message in `detail`).
 
     Example:
 
@@ -196,11 +265,13 @@ class Accountant:
         self.mechanism = mechanism
         self.name = resolve_accountant(mechanism, accountant)
         validation.check_value_discretization_interval(value_discretization_interval)
+        rdp_orders = _check_rdp_orders(rdp_orders)
         self._check_supported(rdp_orders, value_discretization_interval)
-        if self.name == "pld":
-            self._impl = _PldComposer(mechanism, value_discretization_interval)
-        else:
-            self._impl = _RdpComposer(mechanism, rdp_orders)
+        with self._dp_accounting_errors(1):
+            if self.name == "pld":
+                self._impl = _PldComposer(mechanism, value_discretization_interval)
+            else:
+                self._impl = _RdpComposer(mechanism, rdp_orders)
         self._epsilons = {}
 
     def _check_supported(self, rdp_orders, value_discretization_interval):
@@ -217,7 +288,7 @@ class Accountant:
             reference.compose(event)  # Fails, with dp-accounting's reason.
             detail = "unsupported event"
         except dpa.UnsupportedEventError as error:
-            detail = str(error)
+            detail = dp_accounting_cause(error)
         raise UnsupportedMechanismError(
             _unsupported_message(self.mechanism, self.name, detail)
         )
@@ -260,29 +331,45 @@ class Accountant:
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
         steps = validation.check_steps(steps, minimum=0)
-        with self._too_large(steps):
+        with self._dp_accounting_errors(steps):
             return min(1.0, self._impl.delta(epsilon, steps))
 
     def _epsilon(self, delta, steps):
         key = (delta, steps)
         if key not in self._epsilons:
-            with self._too_large(steps):
+            with self._dp_accounting_errors(steps):
                 self._epsilons[key] = self._impl.epsilon(delta, steps)
         return self._epsilons[key]
 
     @contextlib.contextmanager
-    def _too_large(self, steps):
-        """A privacy loss distribution too large to build: a ValueError."""
+    def _dp_accounting_errors(self, steps):
+        """A privacy loss distribution too large to build: a ValueError; any
+        other failure inside dp-accounting: an `AccountingError`."""
+        noise = getattr(self.mechanism, "noise_multiplier", None)
         try:
             yield
         except MemoryError as error:
             raise ValueError(
                 f"The {self.name.upper()} accountant cannot hold the privacy "
                 f"loss distribution of {steps} steps at noise_multiplier="
-                f"{getattr(self.mechanism, 'noise_multiplier', None)!r} ({error}). "
+                f"{noise!r} ({error}). "
                 "Use fewer steps, a larger noise multiplier, or "
                 "accountant='rdp'."
             ) from error
+        except (ArithmeticError, TypeError, ValueError) as error:
+            if isinstance(error, AccountingError) or not _raised_by_dp_accounting(
+                error
+            ):
+                raise
+            other = "rdp" if self.name == "pld" else "pld"
+            raise AccountingError(
+                f"The {self.name.upper()} accountant (dp-accounting) failed on "
+                f"{type(self.mechanism).__name__} with noise_multiplier="
+                f"{noise!r} after {steps} step{'' if steps == 1 else 's'}: "
+                f"{dp_accounting_cause(error)} "
+                f"Check the mechanism's values, or try accountant={other!r}.",
+                detail=str(error),
+            ) from None
 
     def max_steps(self, delta, *, target_epsilon, limit=None):
         """The largest step count whose ε is at most `target_epsilon`.

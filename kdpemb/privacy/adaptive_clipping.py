@@ -36,10 +36,10 @@ Example:
 """
 
 import dataclasses
-import math
 
 from kdpemb import _validation as validation
 from kdpemb.privacy import gaussian_release
+from kdpemb.privacy.config_dataclass import ConfigDataclass
 
 # Andrew et al. recommend σ_b = M / 20: the count's noise std is 5% of
 # the expected clients per round.
@@ -48,7 +48,7 @@ COUNT_SENSITIVITY = 0.5  # One client's centred report b - 1/2.
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptiveClipping:
+class AdaptiveClipping(ConfigDataclass):
     """Settings of adaptive quantile clipping; see the module docstring.
 
     Args:
@@ -68,6 +68,7 @@ class AdaptiveClipping:
     3.2
     """
 
+    config_argument = "adaptive_clipping"
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_stddev: float | None = None
@@ -94,6 +95,14 @@ class AdaptiveClipping:
         """z_b = σ_b / (1/2): the count's noise over its sensitivity."""
         return self.count_stddev_for(clients_per_round) / COUNT_SENSITIVITY
 
+    def count_release(self, clients_per_round):
+        """The `GaussianRelease` of one round's count (std σ_b, sensitivity 1/2)."""
+        return gaussian_release.GaussianRelease(
+            self.count_stddev_for(clients_per_round),
+            COUNT_SENSITIVITY,
+            "count within the clip norm",
+        )
+
     def effective_noise_multiplier(self, update_noise_multiplier, clients_per_round):
         """z_eff = (z_Δ⁻² + (2σ_b)⁻²)^(-1/2): the round's one Gaussian.
 
@@ -105,11 +114,7 @@ class AdaptiveClipping:
                 1.0,
                 "clipped update sum",
             ),
-            gaussian_release.GaussianRelease(
-                self.count_stddev_for(clients_per_round),
-                COUNT_SENSITIVITY,
-                "count within the clip norm",
-            ),
+            self.count_release(clients_per_round),
         )
         return gaussian_release.effective_noise_multiplier(releases)
 
@@ -132,23 +137,6 @@ class AdaptiveClipping:
                 f"Give AdaptiveClipping(count_stddev=...) above {z_eff / 2:.4g} "
                 "(about 5 times that leaves most of the budget to the update)."
             )
-        z = (z_eff**-2 - z_count**-2) ** -0.5
-        # Round-off must not leave z_eff a hair below the calibrated one.
-        while self.effective_noise_multiplier(z, clients_per_round) < z_eff:
-            z = math.nextafter(z, math.inf)
-        return z
-
-    def get_config(self):
-        """A JSON-ready dict; `AdaptiveClipping.from_config` rebuilds it."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_config(cls, config):
-        if isinstance(config, cls):
-            return config
-        if not isinstance(config, dict):
-            raise TypeError(
-                "adaptive_clipping must be a kdpemb.privacy.AdaptiveClipping "
-                f"(or its config dict), got {type(config).__name__}."
-            )
-        return cls(**config)
+        return gaussian_release.remaining_noise_multiplier(
+            z_eff, [self.count_release(clients_per_round)]
+        )

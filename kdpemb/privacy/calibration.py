@@ -35,6 +35,7 @@ The search therefore runs on coarser grids h = 1e-4 · 2^k:
 import contextlib
 import logging
 import math
+from typing import NamedTuple
 
 from kdpemb import _validation as validation
 from kdpemb.errors import CalibrationError
@@ -139,6 +140,70 @@ def calibrate_noise_multiplier(
     >>> round(z, 2)
     0.97
     """
+    return calibrate(
+        mechanism,
+        steps,
+        delta,
+        target_epsilon=target_epsilon,
+        accountant=accountant,
+        max_noise_multiplier=max_noise_multiplier,
+        min_noise_multiplier=min_noise_multiplier,
+        rtol=rtol,
+    ).noise_multiplier
+
+
+class Calibration(NamedTuple):
+    """What `calibrate` found.
+
+    Attributes:
+        noise_multiplier: float. The multiplier, as
+            `calibrate_noise_multiplier` returns it.
+        epsilon: float. At most the target, and at least the ε that
+            `Accountant(mechanism.with_noise_multiplier(noise_multiplier),
+            accountant)` gives after the steps at δ: that ε itself where
+            the search ran on the accountant's own grid (RDP, an exact
+            Gaussian, PLD at δ below 1e-10), else the bound the search met
+            on a coarser grid (see the module docstring), above that ε by
+            less than rtol / 2 of the target as far as the grid's accuracy
+            estimate goes. It costs nothing more, where the accountant's own
+            grid takes seconds to minutes at small multipliers.
+        accountant: str. "pld" or "rdp": the accountant searched.
+
+    Example:
+
+    >>> Calibration(1.1, 2.0, "pld").epsilon
+    2.0
+    """
+
+    noise_multiplier: float
+    epsilon: float
+    accountant: str
+
+
+def calibrate(
+    mechanism,
+    steps,
+    delta,
+    *,
+    target_epsilon,
+    accountant=None,
+    max_noise_multiplier=1000.0,
+    min_noise_multiplier=0.01,
+    rtol=0.005,
+):
+    """`calibrate_noise_multiplier`, with the ε bound the multiplier meets.
+
+    Takes the same arguments; returns a `Calibration`. The command line's
+    `kdpemb privacy calibrate` states this ε.
+
+    Example:
+
+    >>> from kdpemb import privacy
+    >>> m = privacy.dp_sgd(1.0, batch_size=256, num_examples=60_000)
+    >>> found = calibrate(m, 1_000, 1e-5, target_epsilon=1.0)
+    >>> round(found.noise_multiplier, 2), found.epsilon <= 1.0, found.accountant
+    (0.88, True, 'pld')
+    """
     if not isinstance(mechanism, Mechanism):
         raise TypeError(
             "mechanism must be a kdpemb.privacy.Mechanism (see "
@@ -164,9 +229,10 @@ def calibrate_noise_multiplier(
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
     accountant = resolve_accountant(mechanism, accountant)
     with quiet_dropped_rdp_orders():
-        return _calibrate(
+        z, eps = _calibrate(
             mechanism, steps, delta, target, accountant, z_min, z_max, rtol
         )
+    return Calibration(float(z), float(eps), accountant)
 
 
 def _calibrate(mechanism, steps, delta, target, accountant, z_min, z_max, rtol):
@@ -198,7 +264,7 @@ def _calibrate(mechanism, steps, delta, target, accountant, z_min, z_max, rtol):
 
         # An exact ε costs microseconds: waste (almost) none of the target.
         window = min(rtol, EXACT_RTOL) if at_max.exact else rtol
-        return _search(epsilon_at, target, window, z_min, z_max, 1.0)[0]
+        return _search(epsilon_at, target, window, z_min, z_max, 1.0)[:2]
     grids = _Grids(accountant_at, delta, steps, z_max, epsilon_at_max)
     return _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol)
 
@@ -246,7 +312,8 @@ class _Grids:
 
 
 def _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol):
-    """The PLD search for sampled schedules, from coarse grids to fine ones."""
+    """The PLD search for sampled schedules, from coarse grids to fine ones:
+    (z, the bound on its ε that the search met)."""
     z = _clt_guess(mechanism, target, delta, steps) or 1.0
     z = min(max(z, z_min), z_max)
     slope = None
@@ -263,7 +330,7 @@ def _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol):
     tolerance = rtol / 2 * target
     while True:
         try:
-            z, _, slope = _search(
+            z, eps, slope = _search(
                 lambda z, level=level: grids.bound(z, level),
                 target,
                 rtol if level == 0 else rtol / 2,
@@ -276,10 +343,10 @@ def _search_grids(grids, mechanism, target, delta, steps, z_min, z_max, rtol):
             level, z = 0, z_max
             continue
         if level == 0 or z <= z_min:
-            return z
+            return z, eps
         margins, error = grids.excess(z, level)
         if margins + error <= tolerance:
-            return z
+            return z, eps
         level = _finer_level(level, margins, error, tolerance)
 
 
@@ -356,6 +423,7 @@ def _search(epsilon_at, target, window, z_min, z_max, start, slope=None):
     """
     aim = math.log(target * (1 - window / 2))
     low = high = last = None  # (log z, log ε); low misses, high meets the target.
+    met = None  # (z, ε) as evaluated at high: exp(log z) may round.
     f_low = f_high = None  # Illinois: the secant's values at low and high.
     side = 0
     z = start
@@ -371,7 +439,7 @@ def _search(epsilon_at, target, window, z_min, z_max, start, slope=None):
             if eps >= (1 - window) * target or z <= z_min:
                 return z, eps, slope
             if high is None or point[0] < high[0]:
-                high, f_high = point, point[1] - aim
+                high, f_high, met = point, point[1] - aim, (z, eps)
                 if side == 1 and f_low is not None:
                     f_low /= 2
                 side = 1
@@ -385,7 +453,7 @@ def _search(epsilon_at, target, window, z_min, z_max, start, slope=None):
                 side = -1
         if low is not None and high is not None:
             if high[0] - low[0] < 1e-9:
-                return math.exp(high[0]), math.exp(high[1]), slope
+                return *met, slope
             x = (low[0] + high[0]) / 2
             if math.isfinite(f_low) and math.isfinite(f_high) and f_low != f_high:
                 x = high[0] - f_high * (high[0] - low[0]) / (f_high - f_low)

@@ -12,6 +12,7 @@ Example:
 """
 
 import dataclasses
+import math
 
 import dp_accounting as dpa
 
@@ -91,6 +92,54 @@ def effective_noise_multiplier(releases):
     if any(z == 0 for z in multipliers):
         return 0.0
     return sum(z**-2 for z in multipliers) ** -0.5
+
+
+def remaining_noise_multiplier(effective, others, remedy=""):
+    """The z of a release of sensitivity 1 that, with `others`, makes one
+    Gaussian of multiplier at least `effective` (a calibrated z_eff).
+
+    z = (z_eff⁻² − Σ z_i⁻²)^(-1/2) over the others' multipliers z_i,
+    rounded up so that round-off never leaves the composition below
+    `effective`.
+
+    Args:
+        effective: float > 0. z_eff of the whole composition.
+        others: sequence of `GaussianRelease`. The other releases.
+        remedy: str. What to raise, for the error.
+
+    Raises:
+        ValueError: if the others alone spend it (their composition's
+            multiplier is at most `effective`).
+
+    Example:
+
+    >>> count = GaussianRelease(noise_std=5.0, sensitivity=0.5, name="count")
+    >>> z = remaining_noise_multiplier(0.995, [count])
+    >>> round(z, 4), effective_noise_multiplier(
+    ...     [GaussianRelease(z, 1.0), count]) >= 0.995
+    (1.0, True)
+    """
+    effective = validation.check_positive(effective, "effective_noise_multiplier")
+    others = check_releases(others, "others")
+    rest = effective_noise_multiplier(others) if others else math.inf
+    if rest <= effective:
+        named = "; ".join(f"{r.name or 'release'}: {r.noise_multiplier:.4g}"
+                          for r in others)  # fmt: skip
+        raise ValueError(
+            f"The other releases of each step ({named}) have together a noise "
+            f"multiplier of {rest:.4g}, at or below the {effective:.4g} that the "
+            f"whole budget needs: they alone spend more than it. {remedy}".strip()
+        )
+    if not others:
+        return effective
+    z = (effective**-2 - rest**-2) ** -0.5
+
+    def composed(z):
+        return effective_noise_multiplier([GaussianRelease(z, 1.0), *others])
+
+    while composed(z) < effective:
+        z = math.nextafter(z, math.inf)
+    return z
 
 
 def check_releases(items, name):

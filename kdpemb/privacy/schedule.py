@@ -27,6 +27,7 @@ import math
 
 from kdpemb import _validation as validation
 from kdpemb.privacy import mechanisms
+from kdpemb.privacy.config_dataclass import ConfigDataclass
 
 SAMPLINGS = (*mechanisms.SAMPLINGS, "epochs")
 NOISES = ("independent", "tree")
@@ -94,7 +95,7 @@ def epoch_rounds(pool_size, clients_per_round=None, rounds_per_epoch=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Schedule(ConfigDataclass):
     """Population, pool, expected sample, sampling and steps per round.
 
     Frozen and validated when created. Build it with `Schedule.examples`
@@ -140,6 +141,7 @@ class Schedule:
     True
     """
 
+    config_argument = "schedule"  # Saved with `get_config`, see `ConfigDataclass`.
     population: int
     sample_size: float
     sampling: str = "poisson"
@@ -388,20 +390,3 @@ class Schedule:
             f"{self.population} {self.unit}s{group}; "
             f"{mechanism.describe_sampling()}{steps}"
         )
-
-    # Saving ---------------------------------------------------------------
-
-    def get_config(self):
-        """A JSON-ready dict; `Schedule.from_config` rebuilds the schedule."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_config(cls, config):
-        if isinstance(config, cls):
-            return config
-        if not isinstance(config, dict):
-            raise TypeError(
-                f"A Schedule config is a dict from Schedule.get_config(), got "
-                f"{type(config).__name__}."
-            )
-        return cls(**config)

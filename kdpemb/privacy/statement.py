@@ -6,7 +6,7 @@ import json
 import math
 
 from kdpemb import _validation as validation
-from kdpemb.privacy.accountant import Accountant
+from kdpemb.privacy.accountant import ACCOUNTANTS, Accountant
 from kdpemb.privacy.mechanisms import INDEPENDENT_NOISE
 from kdpemb.version import __version__
 
@@ -115,15 +115,39 @@ class PrivacyStatement:
         else:
             accountant = Accountant(mechanism, accountant)
         steps = validation.check_steps(steps, minimum=0)
+        return cls.from_epsilon(
+            mechanism, steps, delta, accountant.epsilon(steps, delta), accountant.name
+        )
+
+    @classmethod
+    def from_epsilon(cls, mechanism, steps, delta, epsilon, accountant):
+        """States an ε already accounted: `compute` without the accounting.
+
+        For an upper bound on what `accountant` gives for `mechanism` after
+        `steps` at `delta`, such as `kdpemb.privacy.calibration.calibrate`'s
+        (never a smaller ε: the statement would claim more privacy than
+        the accountant allows).
+
+        Example:
+
+        >>> from kdpemb import privacy
+        >>> m = privacy.dp_sgd(1.1, batch_size=256, num_examples=60_000)
+        >>> PrivacyStatement.from_epsilon(m, 10, 1e-5, 0.5, "pld").epsilon
+        0.5
+        """
+        steps = validation.check_steps(steps, minimum=0)
+        accountant = validation.check_choice(accountant, ACCOUNTANTS, "accountant")
+        if not (validation.is_real(epsilon) and epsilon >= 0):
+            raise ValueError(f"epsilon must be >= 0 (or inf), got {epsilon!r}.")
         return cls(
-            epsilon=accountant.epsilon(steps, delta),
+            epsilon=float(epsilon),
             delta=float(delta),
             unit=mechanism.unit,
             neighboring_relation=mechanism.relation_name,
             relation_description=mechanism.describe_relation(),
             sampling=mechanism.sampling,
             sampling_description=mechanism.describe_sampling(),
-            accountant=accountant.name,
+            accountant=accountant,
             steps=steps,
             noise_multiplier=mechanism.noise_multiplier,
             clip_norm=mechanism.clip_norm,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -333,9 +334,10 @@ def test_corrupt_directories_are_refused(tmp_path):
     def replace(name, array):
         return lambda directory, m: np.save(directory / name, array)
 
-    shard = manifest["shards"][0]
+    shard, top = manifest["shards"][0], manifest["max_label"]
     cases = {
-        "version 2, newer than the version 1": edit(version=2),
+        "version 3, newer than the version 2": edit(version=3),
+        "version 1, written by an older kdpemb": edit(version=1),
         "unknown format version 0": edit(version=0),
         "not a manifest of format": edit(format="tfrecord"),
         "num_images=-1, not a non-negative int": edit(num_images=-1),
@@ -360,10 +362,120 @@ def test_corrupt_directories_are_refused(tmp_path):
         "image_dtype='<U3', not a number type": edit(image_dtype="<U3"),
         "unreadable index, shard list or image shape": edit(image_shape=[4, 0, 1]),
         "not valid JSON": lambda d, m: (d / "manifest.json").write_text("{"),
+        "has no 'digests'": lambda d, m: (
+            m.pop("digests"),
+            (d / "manifest.json").write_text(json.dumps(m)),
+        ),
+        "has no digest of its layout or of some file": edit(digests={}),
+        f"max_label={top}, not below num_classes={top}": edit(num_classes=top),
     }
     for message, change in cases.items():
         with pytest.raises(CorruptDatasetError, match=message):
             UserShards(broken(change))
+
+
+def test_corrupt_shard_contents_are_refused_at_open(tmp_path):
+    # Each field of a written dataset corrupted in turn: every case is a
+    # CorruptDatasetError naming the file and the fix when opened, before
+    # VirtualClients (or a backend) reads anything from it.
+    images, labels, user_ids = population(6, seed=4)
+    good = write_user_shards(tmp_path / "good", images, labels, user_ids)
+    offsets, stored = np.asarray(good.user_offsets), np.asarray(good.labels[:])
+    # An interior offset with more than one example on each side, moved by
+    # one: still rising from 0 to num_images, one image changes user.
+    u = next(
+        u
+        for u in range(1, good.num_users)
+        if offsets[u] - offsets[u - 1] > 1 and offsets[u + 1] - offsets[u] > 1
+    )
+    shifted = offsets.copy()
+    shifted[u] += 1
+    name = json.loads((tmp_path / "good" / "manifest.json").read_text())["shards"][0][
+        "labels"
+    ]
+
+    def with_label(value):
+        changed = stored.copy()
+        changed[3] = value
+        return changed
+
+    cases = {
+        "user_offsets.npy was changed or corrupted .* another user": (
+            "user_offsets.npy", shifted),
+        rf"{name} holds label 10000 at row 3, outside \[0, max_label=": (
+            name, with_label(10000)),
+        rf"{name} holds label -1 at row 3": (name, with_label(-1)),
+        rf"{name} was changed or corrupted": (name, with_label((stored[3] + 1) % 3)),
+        rf"{name} holds int64 of shape": (name, stored.astype(np.int64)),
+        rf"{name} holds int32 of shape \({len(stored) - 1},\)": (name, stored[1:]),
+        "images.npy holds float64 of shape": (
+            name.replace("labels", "images"), np.asarray(good.images[:], "float64")),
+    }  # fmt: skip
+    for k, (message, (file, array)) in enumerate(cases.items()):
+        directory = tmp_path / f"case{k}"
+        shutil.copytree(tmp_path / "good", directory)
+        np.save(directory / file, array)
+        with pytest.raises(CorruptDatasetError, match=message) as caught:
+            UserShards(directory)
+        assert "write_user_shards" in str(caught.value)
+        assert str(directory) in str(caught.value)
+    # Cut short: refused, never a deep error from NumPy or a backend.
+    for file in ("user_offsets.npy", name):
+        directory = tmp_path / f"short-{file}"
+        shutil.copytree(tmp_path / "good", directory)
+        data = (directory / file).read_bytes()
+        (directory / file).write_bytes(data[: len(data) // 2])
+        with pytest.raises(CorruptDatasetError, match=f"{file} is truncated"):
+            UserShards(directory)
+
+
+def test_shards_swapped_or_replaced_are_refused_at_open(tmp_path):
+    # Four users of two images each, one a shard: every shard has the same
+    # counts, so swapping two passes every structural check, yet gives one
+    # user's images to another.
+    images = np.arange(8, dtype=np.float32).reshape(8, 1, 1, 1)
+    labels, user_ids = np.arange(8) % 3, np.repeat([10, 11, 12, 13], 2)
+    write_user_shards(tmp_path / "good", images, labels, user_ids, images_per_shard=2)
+    manifest = json.loads((tmp_path / "good" / "manifest.json").read_text())
+    first, second = manifest["shards"][:2]
+    assert first["num_images"] == second["num_images"] == 2
+
+    def edited(**fields):
+        def change(directory):
+            m = json.loads(json.dumps(manifest))
+            m.update(fields)
+            (directory / "manifest.json").write_text(json.dumps(m))
+
+        return change
+
+    def swap_files(directory):
+        a, b = directory / first["images"], directory / second["images"]
+        a.rename(directory / "tmp.npy")
+        b.rename(a)
+        (directory / "tmp.npy").rename(b)
+
+    edited_manifest = "manifest.json was edited since it was written"
+    replaced = rf"{first['images']} was replaced, renamed or changed"
+    cases = {
+        "swapped in the manifest": (
+            edited(shards=[second, first, *manifest["shards"][2:]]),
+            edited_manifest),
+        "num_classes": (edited(num_classes=manifest["num_classes"] + 5),
+                        edited_manifest),
+        "max_identities_per_user": (edited(max_identities_per_user=1),
+                                    edited_manifest),
+        "swapped on disk": (swap_files, replaced),
+        "replaced": (lambda d: np.save(d / first["images"], images[:2] + 100),
+                     replaced),
+    }  # fmt: skip
+    UserShards(tmp_path / "good")  # As written: opens.
+    for k, (change, message) in enumerate(cases.values()):
+        directory = tmp_path / f"case{k}"
+        shutil.copytree(tmp_path / "good", directory)
+        change(directory)
+        with pytest.raises(CorruptDatasetError, match=message) as caught:
+            UserShards(directory)
+        assert "write_user_shards" in str(caught.value)
 
 
 # ------------------------------------------------------------ ShardedArray --

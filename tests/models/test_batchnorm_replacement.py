@@ -1,8 +1,10 @@
 """replace_batchnorm: BatchNormalization replaced or frozen, the rest kept."""
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
+from keras.src.models.functional import Functional
 
 from kdpemb.models import batchnorm_replacement, check_backbone, replace_batchnorm
 from kdpemb.models._shared.layer_taps import all_layers as _all_layers
@@ -229,6 +231,84 @@ def test_mobilenet_v2_is_replaced_quickly(monkeypatch):
     assert cloned_models == [old, backbone]
     assert len({id(layer) for layer in cloned_layers}) == len(cloned_layers)
     assert len(cloned_layers) <= len(layers)
+
+
+def hub_resnet_v2():
+    # Pre-activation bottleneck blocks: convolution shortcuts, and
+    # `keras.ops.pad` in the graph (an operation, not a layer).
+
+    return keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 8], stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2], block_type="bottleneck_block",
+        use_pre_activation=True, image_shape=(8, 8, 3),
+    )  # fmt: skip
+
+
+def test_a_keras_hub_backbone_a_subclassed_functional_model_is_rebuilt():
+    old = randomise(hub_resnet_v2())
+    assert type(old).__name__ == "ResNetBackbone" and len(batch_norms(old)) == 7
+    new = replace_batchnorm(old, groups=8)
+    assert_replaced(old, new, groups=8)
+    assert type(new) is Functional  # the layers, not the class
+    x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype("float32")
+    # Up to the first normalisation (the stem) both compute the same.
+    old_part = keras.Model(old.input, old.get_layer("conv1_conv").output)
+    new_part = keras.Model(new.input, new.get_layer("conv1_conv").output)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(new_part(x)),
+        keras.ops.convert_to_numpy(old_part(x)),
+        rtol=1e-6,
+    )
+    assert np.isfinite(keras.ops.convert_to_numpy(new(x, training=True))).all()
+
+
+def test_a_model_without_batch_norm_is_returned_as_is():
+
+    plain = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.Conv2D(4, 3)])
+    assert replace_batchnorm(plain) is plain
+    # keras-hub's ViT: a layer of it does not survive from_config(get_config()).
+    vit = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+        hidden_dim=8, mlp_dim=16,
+    )  # fmt: skip
+    assert replace_batchnorm(vit) is vit
+
+
+class LosesItsConfig(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_config(self):
+        return super().get_config()  # without `units`: from_config fails
+
+
+def test_a_layer_that_cannot_be_copied_is_named_with_the_fix():
+    inputs = keras.Input((6, 6, 3))
+    x = keras.layers.BatchNormalization()(LosesItsConfig(3, name="lossy")(inputs))
+    with pytest.raises(
+        TypeError, match=r"(?s)cannot copy LosesItsConfig 'lossy'.*'units'"
+    ):
+        replace_batchnorm(keras.Model(inputs, x))
+
+
+def test_keras_hub_mobilenet_blocks_are_refused_and_can_be_frozen():
+    mobilenet = keras_hub.models.MobileNetBackbone(
+        stackwise_expansion=[[16]], stackwise_num_blocks=[1],
+        stackwise_num_filters=[[8]], stackwise_kernel_size=[[3]],
+        stackwise_num_strides=[[2]], stackwise_se_ratio=[[None]],
+        stackwise_activation=[["relu"]], stackwise_padding=[[1]],
+        output_num_filters=16, depthwise_filters=8, depthwise_stride=1,
+        depthwise_residual=False, last_layer_filter=16, image_shape=(8, 8, 3),
+        input_num_filters=8,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match=r"holds BatchNormalization inside"):
+        replace_batchnorm(mobilenet)
+    assert check_backbone(replace_batchnorm(mobilenet, mode="freeze")) is mobilenet
 
 
 def test_freeze_keeps_the_model_and_its_statistics():

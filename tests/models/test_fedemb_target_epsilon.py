@@ -254,16 +254,20 @@ class _Restores(keras.callbacks.Callback):
             self._restore()
 
 
-def test_steps_restored_when_training_begins_are_checked():
+def test_steps_restored_when_training_begins_resume_the_plan_to_its_end():
     clients = tiny_clients()
     planned = 2 * clients.rounds_per_epoch
     model = target_model(schedule=clients.schedule, planned_steps=planned)
     model.fit(clients, epochs=1, verbose=0)  # Calibrates; half the plan.
+    # A resumed run (the steps restored at train begin): its epoch of 3
+    # rounds stops after the 1 round the plan has left.
+    model.fit(clients, epochs=1, verbose=0, callbacks=[_Restores(planned - 1)])
+    assert protocol.read_private_steps(model) == planned
     before = kernel(model)
-    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 1 more round"):
-        model.fit(clients, epochs=1, verbose=0, callbacks=[_Restores(planned - 1)])
+    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 0 more round"):
+        model.fit(clients, epochs=1, verbose=0, callbacks=[_Restores(planned)])
     np.testing.assert_array_equal(kernel(model), before)
-    assert protocol.read_private_steps(model) == planned - 1
+    assert protocol.read_private_steps(model) == planned
 
 
 def crashed_with_backup(tmp_path):
@@ -288,22 +292,29 @@ def crashed_with_backup(tmp_path):
     return clients, crashed, backup
 
 
-def test_backup_and_restore_mid_epoch_cannot_resume_past_the_plan(tmp_path):
+def test_backup_and_restore_mid_epoch_resumes_to_the_plan_exactly(tmp_path):
     clients, crashed, backup = crashed_with_backup(tmp_path)
     resumed = target_model(
         schedule=clients.schedule,
         planned_steps=crashed.planned_steps,
         calibrated_noise_multiplier=crashed.noise_multiplier,
     )
-    # Keras would rerun all of epoch 1 (3 rounds) from round 5 of 6.
-    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 1 more round"):
-        resumed.fit(
-            clients,
-            epochs=2,
-            verbose=0,
-            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)],
-        )
-    assert protocol.read_private_steps(resumed) == 5
+    # Keras reruns all of epoch 1 (3 rounds) from round 5 of 6: the fit
+    # counts the 5 taken and stops after the 1 left.
+    ran = []
+    resumed.fit(
+        clients,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.BackupAndRestore(backup, save_freq=1),
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: ran.append(batch)
+            ),
+        ],
+    )
+    assert protocol.read_private_steps(resumed) == crashed.planned_steps == 6
+    assert len(ran) == 1
 
 
 def test_a_fresh_plan_refuses_rounds_a_backup_restores_at_train_begin(tmp_path):

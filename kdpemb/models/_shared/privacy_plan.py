@@ -19,7 +19,10 @@ gives its schedule's mechanism at noise multiplier 1), `check_later_fit`
 (the plan checked once against its target, then the budget) and
 `forget_plan` (a refused first fit keeps no plan); `PlanGuard` checks
 again after the callbacks. `plan_steps` is the whole flow of a model whose
-schedule comes from its first fit.
+schedule comes from its first fit. A killed run resumes by running the
+same script again: the first fit adopts the plan its
+`kdpemb.callbacks.PrivacyLedger` keeps (`plan_resume`), and `PlanGuard`
+stops the epoch Keras reruns at the plan's end.
 
 Example:
 
@@ -40,7 +43,7 @@ from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.callbacks.count_progbar import with_count_progbar
 from kdpemb.errors import PrivacyBudgetExhaustedError
-from kdpemb.models._shared import frozen_settings
+from kdpemb.models._shared import frozen_settings, plan_resume
 from kdpemb.privacy import protocol
 
 
@@ -271,9 +274,12 @@ def calibrate_first_plan(
     (the schedule's mechanism at noise multiplier 1) that spends exactly
     the target over them. Refuses, before calibrating, a fit of more steps
     than planned. The caller adopts the plan once its fit is accepted.
+    Where a ledger of the fit keeps a plan (`plan_resume.look_up`), z is
+    that plan's and nothing is calibrated: the steps it counts used it.
     """
     cls = type(model).__name__
     planned = model.planned_steps or steps
+    kept = plan_resume.kept_unit_noise(model, planned)
     if steps > planned:
         raise PrivacyBudgetExhaustedError(
             f"This fit's {steps} {noun} are more than the planned_steps="
@@ -281,15 +287,27 @@ def calibrate_first_plan(
             f"{model.delta}) is spent over. Fit at most {planned} more {noun}, "
             f"or build a new {cls} with a larger planned_steps."
         )
-    z = calibrate(unit_mechanism, planned, model.target_epsilon, model.delta,
-                  verbose, cls, noun, shown)  # fmt: skip
+    if kept is None:
+        z = calibrate(unit_mechanism, planned, model.target_epsilon, model.delta,
+                      verbose, cls, noun, shown)  # fmt: skip
+    else:
+        z = kept
+        if verbose:
+            print(
+                f"{cls}: resuming the plan that the privacy ledger keeps: noise "
+                f"multiplier {shown(z):.4g} over {planned} {noun}.",
+                flush=True,
+            )
+    model._plan_unit_noise = z  # Written with the plan (`plan_resume`).
     return planned, z
 
 
 def adopt_first_plan(model, planned_steps, noise_multiplier, **settings):
     """Fixes the plan of an accepted first fit: `planned_steps`, the
     calibrated noise multiplier (also the model's `noise_multiplier`) and
-    `settings` (e.g. the schedule); a calibrated plan meets its target."""
+    `settings` (e.g. the schedule); a calibrated plan meets its target. A
+    plan adopted from a ledger must have its mechanism, and is checked
+    against its target; if not, nothing is adopted."""
     model._given_planned_steps = model.planned_steps  # For `forget_plan`.
     frozen_settings.adopt_plan(
         model,
@@ -299,6 +317,13 @@ def adopt_first_plan(model, planned_steps, noise_multiplier, **settings):
         **settings,
     )
     model._plan_checked = True
+    if plan_resume.from_ledger(model):
+        try:
+            plan_resume.check_adopted(model)
+            check_plan(model)
+        except Exception:
+            forget_plan(model, **dict.fromkeys(settings))
+            raise
 
 
 def check_later_fit(model, steps, noun="steps", remedy=None):
@@ -312,24 +337,27 @@ def check_later_fit(model, steps, noun="steps", remedy=None):
     check_budget(model, steps, noun, remedy=remedy)
 
 
-def plan_steps(model, schedule, steps, verbose):
+def plan_steps(model, schedule, steps, verbose, callbacks=None):
     """The target-ε flow of a model whose schedule comes from its first
     `fit` (`DPModel`): adopts `schedule`; with a `target_epsilon`,
     calibrates the noise once (`calibrate_first_plan`, on the schedule's
-    mechanism at the model's `clip_norm`) and refuses, before any step, a
-    fit that would go past the plan. Returns whether this call calibrated.
+    mechanism at the model's `clip_norm`, or adopts the plan a
+    `PrivacyLedger` among `callbacks` keeps) and refuses, before any step,
+    a fit that would go past the plan. Returns whether this call
+    calibrated.
     """
     if model.schedule is None:
         refuse_unplanned_steps(model)
+    plan_resume.look_up(model, callbacks)
+    adopted = model.schedule is None
     calibrated = False
     if model.target_epsilon is not None and model.calibrated_noise_multiplier is None:
         planned, z = calibrate_first_plan(
             model, schedule.privacy_mechanism(1.0, model.clip_norm), steps, verbose
         )
-        adopt_first_plan(model, planned, z)
+        adopt_first_plan(model, planned, z, schedule=schedule)
         calibrated = True
-    adopted = model.schedule is None
-    if adopted:
+    elif adopted:
         frozen_settings.adopt_plan(model, schedule=schedule)
     try:
         check_later_fit(model, steps)
@@ -353,6 +381,7 @@ def forget_plan(model, **settings):
         **settings,
     )
     model._plan_checked = False
+    model._plan_unit_noise = None
 
 
 # Float round-off between a calibrated multiplier and the one a model
@@ -390,6 +419,14 @@ class PlanGuard(keras.callbacks.Callback):
     start epoch (`keras.callbacks.BackupAndRestore`). Refuses the fit,
     before any round, if its remaining rounds would go past the plan.
 
+    A fit into which a callback restored steps (a killed run resumed: the
+    backup's, raised to the ledger's count by
+    `kdpemb.callbacks.PrivacyLedger`) resumes that run: it counts what
+    ran, not what Keras replays (Keras reruns the killed epoch from its
+    start), so it trains until the plan's steps are taken and stops there
+    (with `steps_per_execution` = k, before an execution that would go
+    past them), and is refused only when none is left.
+
     Args:
         steps_of: callable `initial_epoch -> most rounds of the fit`.
         noun: str. What a step is called in the message.
@@ -397,31 +434,79 @@ class PlanGuard(keras.callbacks.Callback):
             calibrated the noise (with no steps taken): steps found at
             train begin were then restored by a callback from rounds taken
             at a noise the plan does not know, so the fit is refused after
-            calling it (to undo the calibration).
+            calling it (to undo the calibration). A plan adopted from a
+            ledger knows their noise.
+
+    Attributes:
+        stop_at: int or None. The step count at which this fit stops (the
+            plan's end), when it resumes a killed run.
     """
 
     def __init__(self, steps_of, noun="rounds", on_restored_steps=None):
         super().__init__()
         self.steps_of, self.noun = steps_of, noun
         self.on_restored_steps = on_restored_steps
+        self.stop_at = None
+        self._fit_start = None
+        self._steps = self._batch_begin = 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        if self._fit_start is None:  # Before any callback has begun.
+            self._fit_start = protocol.read_private_steps(model)
 
     def on_train_begin(self, logs=None):
         model = self.model
         taken = protocol.read_private_steps(model)
-        if self.on_restored_steps is not None and taken:
+        self.stop_at = None
+        if (
+            self.on_restored_steps is not None
+            and taken
+            and not plan_resume.from_ledger(model)
+        ):
             self.on_restored_steps()
             raise ValueError(
                 f"A callback restored {taken} private {self.noun} taken before "
                 "(keras.callbacks.BackupAndRestore?) into a model that has just "
                 "calibrated its noise: those rounds used a noise this model "
                 "does not know, so ε would be misstated. Resume with the plan "
-                "of the model that took them: build it with planned_steps=... "
-                "and calibrated_noise_multiplier=... (its model.planned_steps "
-                "and model.calibrated_noise_multiplier), or load it with "
+                "of the model that took them: keep a "
+                "kdpemb.callbacks.PrivacyLedger in the fit's callbacks (it "
+                "keeps the plan, and running the same script again adopts "
+                "it); or build the model with planned_steps=... and "
+                "calibrated_noise_multiplier=... (its model.planned_steps and "
+                "model.calibrated_noise_multiplier), or load it with "
                 "keras.saving.load_model."
             )
-        steps = self.steps_of(model._initial_epoch)
-        check_budget(model, steps, self.noun)
+        restored = taken > (self._fit_start or 0)
+        if model.target_epsilon is None or not restored:
+            check_budget(model, self.steps_of(model._initial_epoch), self.noun)
+            return
+        check_budget(model, 1, self.noun)  # Refused if the plan is spent.
+        self.stop_at, self._steps = model.planned_steps, taken
+        if (self.params or {}).get("verbose"):
+            print(
+                f"{type(model).__name__}: resuming a run with {taken} of its "
+                f"{self.stop_at} planned private {self.noun} taken; this fit "
+                f"stops after the {self.stop_at - taken} left.",
+                flush=True,
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.stop_at is not None:  # Synced here on every backend.
+            self._steps = protocol.read_private_steps(self.model)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.stop_at is None:
+            return
+        # Keras reports the first and last step of each execution.
+        self._steps += batch - self._batch_begin + 1
+        size = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        if self._steps + size > self.stop_at:
+            self.model.stop_training = True
 
 
 def guard_epochs(model, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated):
@@ -446,8 +531,10 @@ def guard_epochs(model, callbacks, steps_per_epoch, epochs, initial_epoch, calib
 def with_guard(callbacks, guard, model):
     """`callbacks` (a list, a `CallbackList` or None) with `guard` last
     (replacing a guard of the same type from an earlier fit in a
-    `CallbackList`)."""
+    `CallbackList`). A `PlanGuard`'s fit hands its plan to its ledgers."""
     guard.set_model(model)
+    if isinstance(guard, PlanGuard):
+        plan_resume.share_plan(model, callbacks)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.callbacks[:] = [
             c for c in callbacks.callbacks if not isinstance(c, type(guard))

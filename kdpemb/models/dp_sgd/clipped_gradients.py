@@ -375,8 +375,21 @@ class ClippedGradients:
 
     @property
     def clip_norm(self):
-        """The bound C of one example's whole gradient: (Σ_j C_j²)^½."""
+        """The bound C of one example's whole gradient: (Σ_j C_j²)^½; the
+        one clip norm itself where there is one (a float tensor where C is
+        model state: adaptive clipping)."""
+        if len(self.clip_norms) == 1:
+            return self.clip_norms[0]
         return float(np.sqrt(sum(c * c for c in self.clip_norms)))
+
+    def example_losses(self, params, non_trainable, x, y):
+        """Each example's loss, `[B]` float32, from a training-mode forward
+        pass at these values (the non-trainable ones are not advanced):
+        what `DPModel(noised_loss=...)` clips, sums and noises."""
+        y_pred, _ = self.model.stateless_call(
+            params, non_trainable, x, **_training(self.model)
+        )
+        return per_example_losses(self.loss_fn, y, y_pred)
 
     def __call__(self, params, non_trainable, x, y, mask):
         """`(ClippedSum, new non-trainable values)` for one batch.

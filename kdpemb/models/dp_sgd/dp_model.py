@@ -10,13 +10,16 @@ to the sum, division by B, and the compiled optimizer (SGD, Adam, LAMB, …).
 It implements kdpemb's privacy protocol, so `PrivacyBudget`,
 `privacy_statement()` and calibration from a `target_epsilon` work as for
 the other models. Training logs only `private_steps`: a loss on the
-private batch would be a release without noise.
+private batch would be a release without noise. Opt in to a noised loss
+and to adaptive clipping, each accounted with the gradient
+(`kdpemb.models.dp_sgd.step_releases`).
 """
 
 import keras
 import numpy as np
 from keras import ops
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.datasets import inputs
@@ -24,6 +27,7 @@ from kdpemb.models import backbone_checks
 from kdpemb.models._shared import backends, device_checks, privacy_plan, private_state
 from kdpemb.models._shared.frozen_settings import FrozenSettings
 from kdpemb.models._shared.layer_taps import all_layers
+from kdpemb.models.dp_sgd import label_shapes, step_releases
 from kdpemb.models.dp_sgd.clipped_gradients import (
     MODES,
     ClippedGradients,
@@ -73,6 +77,10 @@ class DPModel(FrozenSettings, keras.Model):
             (whole-model per-example gradients).
         seed: int or None. None draws the sampling and the noise from OS
             entropy; an int makes them predictable (tests only; warns).
+        noised_loss, adaptive_clipping: None (default), or a
+            `kdpemb.privacy.LossRelease` (logs a noised `noised_loss`) and
+            an `AdaptiveClipping` (C follows a gradient-norm quantile;
+            logged as `clip_norm`), accounted with the gradient (`step_releases`).
         schedule, planned_steps, calibrated_noise_multiplier: set by the
             first `fit` and saved with the model; not for you to pass
             (`planned_steps` may be given with `target_epsilon`).
@@ -113,6 +121,8 @@ class DPModel(FrozenSettings, keras.Model):
             "schedule",
             "planned_steps",
             "calibrated_noise_multiplier",
+            "noised_loss",
+            "adaptive_clipping",
         }
     )
 
@@ -132,6 +142,8 @@ class DPModel(FrozenSettings, keras.Model):
         schedule=None,
         planned_steps=None,
         calibrated_noise_multiplier=None,
+        noised_loss=None,
+        adaptive_clipping=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -179,9 +191,7 @@ class DPModel(FrozenSettings, keras.Model):
                 f"DPModel protects examples; got the schedule {self.schedule}."
             )
         self.private_steps = private_state.add_private_steps(self)
-        (self.noise_seed,) = private_state.noise_seed_generators(
-            seed, ("noise_seed",), "DPModel"
-        )
+        step_releases.configure(self, noised_loss, adaptive_clipping, seed)
         self.gradient_plan = None
         self._plan_signature = None
         self._freeze_settings()
@@ -208,7 +218,7 @@ class DPModel(FrozenSettings, keras.Model):
             )
         if self.noise_multiplier is None:
             raise ValueError("The noise is calibrated by the first fit: fit first.")
-        return self.schedule.privacy_mechanism(self.noise_multiplier, self.clip_norm)
+        return step_releases.privacy_mechanism(self)
 
     def privacy_statement(self, delta=None, accountant=None):
         """The `PrivacyStatement` (unit: example) of the steps taken so far.
@@ -263,7 +273,7 @@ class DPModel(FrozenSettings, keras.Model):
         initial_epoch=0,
         **kwargs,
     ):
-        """DP-SGD on `x`, `y` (arrays, one row per example); see the class."""
+        """DP-SGD on `x`, `y` (finite arrays, one row each); see the class."""
         privacy_plan.refuse_fit_arguments(
             kwargs, (*privacy_plan.SAMPLING_ARGUMENTS, "shuffle"), "DPModel"
         )
@@ -271,7 +281,17 @@ class DPModel(FrozenSettings, keras.Model):
         _check_network(self.network)  # Layers may have been unfrozen since.
         if not self.compiled:
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
-        x, y = _check_data(x, y)
+        x, y = _check_data(x, y, self.network.compute_dtype)
+        finite_inputs.check_validation_data(
+            validation_data, as_dtype=self.network.compute_dtype
+        )
+        # One-hot labels to a sparse loss (or indices to a categorical one),
+        # named with the data's shape before any probe of the network.
+        label_shapes.check(
+            np.shape(y),
+            label_shapes.output_shape(self.network),
+            keras.losses.get(self.loss),
+        )
         if getattr(self, "_class_labels", False):
             # Every class index, whatever the label shape: one per example,
             # or one per position for a network with several output axes
@@ -300,12 +320,14 @@ class DPModel(FrozenSettings, keras.Model):
         steps = steps_per_epoch * (epochs - initial_epoch)
         calibrated = privacy_plan.plan_steps(
             self, schedule, steps, privacy_plan.is_verbose(
-                {"verbose": verbose, "callbacks": callbacks}),
+                {"verbose": verbose, "callbacks": callbacks}), callbacks,
         )  # fmt: skip
+        if calibrated:  # z_eff of the step: the gradient keeps what is left.
+            step_releases.split_calibrated_noise(self, verbose)
         callbacks = privacy_plan.guard_epochs(
             self, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated
         )
-        private_state.reseed([self.noise_seed], self.seed)
+        private_state.reseed(step_releases.seed_generators(self), self.seed)
         self._denominator = float(schedule.sample_size)
         seed = (
             None
@@ -332,8 +354,8 @@ class DPModel(FrozenSettings, keras.Model):
                 **kwargs,
             )
         finally:
-            # The generator's state after the fit would regenerate its draws.
-            private_state.reseed([self.noise_seed], self.seed)
+            # The generators' state after the fit would regenerate their draws.
+            private_state.reseed(step_releases.seed_generators(self), self.seed)
 
     def _build_for(self, x, y):
         """Builds the network and the compiled loss and metrics on two
@@ -415,11 +437,13 @@ class DPModel(FrozenSettings, keras.Model):
 
     def _dp_step(self, data):
         x, y, mask = data
-        engine = self._engine_for()
+        engine = step_releases.step_engine(self, self._engine_for())
         network = self.network
         params = [v.value for v in network.trainable_variables]
         fixed = [v.value for v in network.non_trainable_variables]
+        fixed = step_releases.carry(self, fixed)
         clipped, fixed = self._accumulate(engine, params, fixed, x, y, mask)
+        fixed, losses = step_releases.uncarry(self, fixed)
         noise = gaussian_sum.gaussian_noise(
             clipped, self.noise_multiplier, self.noise_seed
         )
@@ -440,7 +464,8 @@ class DPModel(FrozenSettings, keras.Model):
         self.private_steps.assign_add(
             1 if within_plan is None else ops.cast(within_plan, "int32")
         )
-        return {"private_steps": self.private_steps.value}
+        logs = {"private_steps": self.private_steps.value}
+        return {**logs, **step_releases.release(self, clipped, losses, within_plan)}
 
     def _within_plan(self):
         """With a `target_epsilon`, whether this step is within the plan (a
@@ -506,6 +531,7 @@ class DPModel(FrozenSettings, keras.Model):
             "schedule": None if self.schedule is None else self.schedule.get_config(),
             "planned_steps": self.planned_steps,
             "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
+            **step_releases.config(self),
         }
 
     @classmethod
@@ -621,7 +647,7 @@ def synthetic_targets(y, num_outputs, class_labels):
     return values.astype(dtype)
 
 
-def _check_data(x, y):
+def _check_data(x, y, dtype):
     if x is None or y is None:
         raise ValueError("DPModel.fit needs x and y (arrays, one row per example).")
     if isinstance(x, (dict, list, tuple)) or not hasattr(x, "__len__"):
@@ -636,10 +662,13 @@ def _check_data(x, y):
     if not len(x):
         raise ValueError("x is empty.")
     x, y = np.asarray(x) if isinstance(x, list) else x, np.asarray(y)
-    # Only the dtypes: a non-finite example is left out of the clipped sum
-    # inside the step (docs/dp_sgd.md), not refused by a look at the data.
     validation.check_real_dtype(x, "x", "inputs")
     validation.check_real_dtype(y, "y", "targets")
+    # Non-finite inputs and float targets are refused before any step (the
+    # one rule, `kdpemb._finite_inputs`), as the `dtype` the network computes
+    # in (float64 1e39 is infinite in float32); integer labels need no look.
+    finite_inputs.check_array(x, "x", what="inputs", action="fit", as_dtype=dtype)
+    finite_inputs.check_array(y, "y", what="targets", action="fit", as_dtype=dtype)
     return x, y
 
 

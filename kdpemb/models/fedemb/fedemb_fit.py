@@ -19,6 +19,10 @@ from kdpemb.models.fedemb import fedemb_checks, fedemb_privacy
 from kdpemb.models.fedemb import fedemb_multi_host as multi_host
 from kdpemb.privacy import protocol
 
+# The first round's compilation, measured on 2 CPU cores for the models of
+# examples/train_dp_fedemb.py (a loaded machine takes longer).
+COMPILE_TIMES = {"tensorflow": "about 20 s", "jax": "30 s to 2 minutes"}
+
 
 def fit(model, keras_fit, x, kwargs):
     """`FedEmbModel.fit`: checks, then `keras_fit(x, **kwargs)`."""
@@ -40,7 +44,7 @@ def fit(model, keras_fit, x, kwargs):
     if verbose and model.train_function is None:
         print(
             "FedEmbModel: compiling the round (the first round waits for "
-            "it; about a minute on a CPU)…",
+            f"it; {COMPILE_TIMES[keras.backend.backend()]} on a 2-core CPU)…",
             flush=True,
         )
     if not schedule.pool_is_public:

@@ -10,7 +10,7 @@ from keras import ops
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.models._shared import privacy_plan, private_state
+from kdpemb.models._shared import plan_resume, privacy_plan, private_state
 from kdpemb.models.fedemb import fedemb_checks
 from kdpemb.privacy import protocol, tree_noise
 
@@ -271,6 +271,7 @@ def plan_fit(model, x, arguments, verbose):
             initial_epoch,
         )
 
+    plan_resume.look_up(model, arguments.get("callbacks"))  # A killed run's.
     calibrated = plan_budget(model, steps_of(model._initial_epoch), verbose)
     model._calibrated_this_fit = calibrated
     # Checked again once the callbacks have begun (one may restore other

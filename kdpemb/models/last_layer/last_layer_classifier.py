@@ -24,18 +24,24 @@ import keras
 import numpy as np
 from keras import ops
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as validation
 from kdpemb.models._shared import (
     backends,
     device_checks,
     frozen_settings,
+    plan_resume,
     privacy_plan,
     private_state,
 )
 from kdpemb.models._shared.device_rows import DeviceRows
 from kdpemb.models._shared.frozen_settings import FrozenSettings
 from kdpemb.models._shared.optimizer_restore import RestoresOptimizer
-from kdpemb.models.last_layer import last_layer_inputs, last_layer_plan
+from kdpemb.models.last_layer import (
+    last_layer_inputs,
+    last_layer_plan,
+    last_layer_shipping,
+)
 from kdpemb.models.last_layer.last_layer_dp_sgd_head import (
     DPSGDHead,
     dense_gradient_norms,
@@ -63,9 +69,7 @@ class ClipFeatures(keras.layers.Layer):
         self.clip_norm = float(clip_norm)
 
     def call(self, features):
-        features = ops.cast(features, "float32")
-        norms = ops.sqrt(ops.sum(ops.square(features), axis=-1, keepdims=True))
-        return features * ops.minimum(1.0, self.clip_norm / ops.maximum(norms, 1e-30))
+        return last_layer_shipping.clip_to_norm(features, self.clip_norm)
 
     def get_config(self):
         return {**super().get_config(), "clip_norm": self.clip_norm}
@@ -76,7 +80,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     """A linear classifier on frozen features with example-level DP.
 
     Args:
-        num_classes: int. K.
+        num_classes: int >= 2. K, the number of classes.
         method: "dp-sgd" (default), "dp-ls", "dp-newton" or "dp-fc".
         clip_norm: float. DP-SGD's per-example gradient clip norm C.
             Defaults to 1.0 (dp-sgd only).
@@ -177,7 +181,16 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.num_classes = validation.check_positive_int(num_classes, "num_classes")
+        self.num_classes = validation.check_positive_int(
+            num_classes, "num_classes", "It is the number of classes, at least 2."
+        )
+        if self.num_classes < 2:
+            raise ValueError(
+                f"num_classes={num_classes!r}: a softmax head over one class "
+                "predicts it for every input and learns nothing. Pass the "
+                "number of classes, at least 2 (for a yes/no task, 2 with labels "
+                "0 and 1)."
+            )
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.method = method
@@ -291,17 +304,17 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         return self.head(features)
 
     def stack_on(self, backbone):
-        """`backbone`, the feature clipping and a copy of the head: images → scores."""
+        """`backbone`, the feature clipping and a copy of the head: images → scores.
+
+        A functional `keras.Model` of built-in Keras layers and ops only
+        (the clipping is written with `keras.ops`, not `ClipFeatures`): its
+        `.keras` file loads with `keras.saving.load_model` where kdpemb is
+        not installed. The backbone's features must be as wide as the
+        features the head was fitted on.
+        """
         if not self.built:
             raise ValueError("Fit the classifier before stacking it on a backbone.")
-        inputs = keras.Input(backbone.input_shape[1:])
-        features = backbone(inputs)
-        if self.feature_clip_norm is not None:
-            features = ClipFeatures(self.feature_clip_norm)(features)
-        head = keras.layers.Dense.from_config(self.head.get_config())
-        outputs = head(features)
-        head.set_weights(self.head.get_weights())
-        return keras.Model(inputs, outputs, name=f"{backbone.name}_dp_head")
+        return last_layer_shipping.stack(backbone, self.head, self.feature_clip_norm)
 
     # -------------------------------------------------------- privacy --
 
@@ -403,6 +416,9 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 f"callbacks; got {sorted(kwargs) or ['validation_data']}. "
                 "Evaluate with model.evaluate(features, labels) afterwards."
             )
+        # Refused as the training features are (the one rule).
+        finite_inputs.check_validation_data(validation_data, as_dtype="float32")
+        plan_resume.look_up(self, callbacks)  # A killed run's plan, rerun.
         steps_per_epoch, plan = last_layer_plan.first_fit_plan(
             self, self._method, len(features), batch_size, epochs - initial_epoch,
             privacy_plan.is_verbose({"verbose": verbose, "callbacks": callbacks}),

@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 
+from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as validation
 from kdpemb.errors import DegenerateFeaturesWarning
 
@@ -41,13 +42,9 @@ def check_data(features, labels, num_classes):
         raise ValueError(f"features must be real numbers, got dtype {features.dtype}.")
     if len(features) == 0:
         raise ValueError("features is empty: there is nothing to train on.")
-    finite = np.isfinite(features).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise ValueError(
-            f"{len(bad)} feature rows hold NaN or infinite values (first: row "
-            f"{bad[0]}); fix the backbone or drop those examples before training."
-        )
+    # Refused, not dropped (the one rule, `kdpemb._finite_inputs`); checked
+    # as the float32 they become (1e39 in float64 would turn infinite).
+    finite_inputs.check_array(features, "features", action="fit", as_dtype="float32")
     labels = validation.check_labels(labels, len(features), num_classes)
     return features.astype(np.float32, copy=False), labels.astype(np.int32)
 

@@ -1,10 +1,11 @@
 """TensorFlow plumbing: `tf.GradientTape` and `tf.distribute` replicas."""
 
-import contextlib
 import logging
 
 import numpy as np
 import tensorflow as tf
+
+from kdpemb import _console as console
 
 logger = logging.getLogger("kdpemb")
 
@@ -18,8 +19,10 @@ def value_and_grad(fn):
             tape.watch(params)
             value = fn(params, *args)
         grads = tape.gradient(value, params)
+        # An Embedding's gradient comes as tf.IndexedSlices; the round's
+        # arithmetic (and the other backend) takes dense arrays.
         grads = [
-            tf.zeros_like(p) if g is None else g
+            tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
             for p, g in zip(params, grads, strict=True)
         ]
         return value, grads
@@ -65,27 +68,6 @@ def compiled(fn):
     return fn
 
 
-class _Silenced(logging.Filter):
-    """Drops the records of TensorFlow's vectoriser (`parallel_for`) only."""
-
-    def filter(self, record):
-        return "parallel_for" not in record.pathname.replace("\\", "/")
-
-
-@contextlib.contextmanager
-def _tensorflow_logs_silenced():
-    """The vectoriser's log records dropped: a failed `tf.vectorized_map`
-    logs the graph of the op it could not convert, at ERROR level, before
-    it raises (and a converted one its while-loop fallbacks)."""
-    tf_logger = tf.get_logger()
-    silenced = _Silenced()
-    tf_logger.addFilter(silenced)
-    try:
-        yield
-    finally:
-        tf_logger.removeFilter(silenced)
-
-
 def per_example_map(fn, *tensors):
     """`fn` applied to each row of `tensors` (their leading axis): vectorised
     by `tf.vectorized_map` (which loops over the rows of an op that has no
@@ -115,7 +97,8 @@ def per_example_map(fn, *tensors):
         return tf.vectorized_map(one, tensors)
 
     try:
-        with _tensorflow_logs_silenced():
+        # A failed conversion logs its graph before it raises: handled below.
+        with console.vectorizer_logs_quieted(keep_errors=False):
             if tf.executing_eagerly():  # `vectorized_map` traces a function.
                 return vectorized(*tensors)
             return tf.function(vectorized, autograph=False)(*tensors)
@@ -152,8 +135,11 @@ def replica_sum(value):
 
 def sum_over_devices(fn, rows, shared):
     """`fn(rows, shared)`: a replica's program already holds only its rows
-    (the strategy splits them); `replica_sum` sums over the replicas."""
-    return fn(rows, shared)
+    (the strategy splits them); `replica_sum` sums over the replicas.
+    Clients trained at once (`tf.vectorized_map`) leave out the
+    vectoriser's while-loop notes."""
+    with console.vectorizer_logs_quieted():
+        return fn(rows, shared)
 
 
 def noise_share():

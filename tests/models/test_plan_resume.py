@@ -1,0 +1,280 @@
+"""A killed target-ε run resumes by running the same script again: the
+ledger keeps the plan, a model built with the same arguments adopts it (a
+model built with others is refused before any step), and the rerun
+finishes the plan exactly. Here the kill is an exception raised as a
+step begins, in process; tests/test_crash_safety.py SIGKILLs a DPModel."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from kdpemb.callbacks import AtomicBackupAndRestore, PrivacyLedger
+from kdpemb.errors import PrivacyBudgetExhaustedError
+from kdpemb.models import DPModel, LastLayerDPClassifier
+from kdpemb.privacy import ledger, protocol
+from tests.models.test_fedemb import tiny_clients
+from tests.models.test_fedemb_target_epsilon import target_model
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning"),
+    pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleSamplingWarning"),
+]
+
+# 64 examples, expected batch 8: 8 steps an epoch, 16 over EPOCHS.
+N, D, B, EPOCHS, TARGET, DELTA = 64, 3, 8, 2, 2.0, 1e-3
+PLANNED = 16
+
+
+class Killed(Exception):
+    """What `Kill` raises: the process's end, as far as the fit knows."""
+
+
+class Kill(keras.callbacks.Callback):
+    """Ends the fit as a kill would, as the step that makes the ledger count
+    `at` begins (counted, not run); placed after the ledger."""
+
+    def __init__(self, path, at):
+        super().__init__()
+        self.path, self.at = path, at
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if ledger.read_ledger(self.path)["steps"] == self.at:
+            raise Killed
+
+
+class Ran(keras.callbacks.Callback):
+    """Counts the steps this fit ran."""
+
+    steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+
+
+def paths(tmp_path):
+    return str(tmp_path / "backup"), str(tmp_path / "ledger.json")
+
+
+def run(model, fit, tmp_path, kill_at=None):
+    """`fit(callbacks)` with the recipe's backup and ledger (killed as the
+    ledger counts `kill_at`); returns how many steps it ran."""
+    backup, path = paths(tmp_path)
+    ran = Ran()
+    callbacks = [AtomicBackupAndRestore(backup, save_freq=4), PrivacyLedger(path), ran]
+    if kill_at is None:
+        fit(callbacks)
+    else:
+        with pytest.raises(Killed):
+            fit([*callbacks, Kill(path, kill_at)])
+    return ran.steps
+
+
+def dp_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, D)).astype("float32")
+    return x, x.sum(axis=1)
+
+
+def dp_script(tmp_path, kill_at=None, epochs=EPOCHS, verbose=0, **changes):
+    """The user's script: a DPModel with a target ε, fit over `epochs`;
+    `changes` replace its arguments. Returns the model and steps run."""
+    settings = {"target_epsilon": TARGET, "delta": DELTA, "clip_norm": 1.0, **changes}
+    model = DPModel(keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)]),
+                    **settings)  # fmt: skip
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = dp_data()
+
+    def fit(callbacks):
+        model.fit(x, y, batch_size=B, epochs=epochs, verbose=verbose,
+                  callbacks=callbacks)  # fmt: skip
+
+    return model, run(model, fit, tmp_path, kill_at)
+
+
+def kept(tmp_path):
+    return ledger.read_ledger(paths(tmp_path)[1])
+
+
+def test_a_rerun_of_the_same_script_adopts_the_kept_plan_and_finishes_it(
+    tmp_path, capsys
+):
+    killed, _ = dp_script(tmp_path, kill_at=11)  # 10 ran, 11 counted.
+    record = kept(tmp_path)
+    assert record["steps"] == 11
+    plan = record["plan"]
+    assert plan["planned_steps"] == PLANNED == killed.planned_steps
+    assert plan["calibrated_noise_multiplier"] == killed.noise_multiplier
+    assert plan["schedule"] == killed.schedule.get_config()
+    capsys.readouterr()
+
+    resumed, ran = dp_script(tmp_path, verbose=1)
+    out = capsys.readouterr().out
+    assert "calibrating" not in out and "resuming the plan" in out
+    assert "resuming a run with 11 of its 16 planned private steps" in out
+    # The same plan; the 11 steps counted and the 5 left, though Keras
+    # reran the backup's epoch from its start (8 or 16 steps).
+    assert resumed.noise_multiplier == killed.noise_multiplier
+    assert resumed.planned_steps == PLANNED and ran == PLANNED - 11
+    assert protocol.read_private_steps(resumed) == PLANNED
+    record = kept(tmp_path)
+    assert record["steps"] == PLANNED and record["plan"] == plan
+    assert record["mechanism"] == ledger.mechanism_parameters(
+        resumed.privacy_mechanism()
+    )
+    statement = resumed.privacy_statement()
+    assert statement.steps == PLANNED and statement.epsilon <= TARGET
+    # A plan spent: running the script again trains nothing more.
+    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 0 more steps"):
+        dp_script(tmp_path)
+    assert kept(tmp_path)["steps"] == PLANNED
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"target_epsilon": 3.0}, "target_epsilon"),
+        ({"epochs": 3}, "planned_steps"),
+        ({"clip_norm": 0.5}, "clip_norm"),
+    ],
+)
+def test_a_rerun_with_another_argument_is_refused_before_any_step(
+    tmp_path, changes, field
+):
+    dp_script(tmp_path, kill_at=5)
+    before = kept(tmp_path)
+    with pytest.raises(ValueError, match=f"{field}=") as error:
+        dp_script(tmp_path, **changes)
+    assert "plan_arguments" in str(error.value)
+    assert kept(tmp_path) == before  # Nothing counted, the plan kept.
+
+
+def test_a_refused_rerun_takes_no_step_and_keeps_no_plan(tmp_path):
+    dp_script(tmp_path, kill_at=5)
+    model = DPModel(keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)]),
+                    target_epsilon=TARGET, delta=DELTA, clip_norm=0.5)  # fmt: skip
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = dp_data()
+    weights = [w.copy() for w in model.get_weights()]
+    backup, path = paths(tmp_path)
+    with pytest.raises(ValueError, match="the mechanism's clip_norm"):
+        model.fit(x, y, batch_size=B, epochs=EPOCHS, verbose=0, callbacks=[
+            AtomicBackupAndRestore(backup), PrivacyLedger(path)])  # fmt: skip
+    assert protocol.read_private_steps(model) == 0
+    for got, want in zip(model.get_weights(), weights, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert model.schedule is None and model.calibrated_noise_multiplier is None
+
+
+def test_plan_arguments_rebuild_the_model_of_a_ledger(tmp_path):
+    killed, _ = dp_script(tmp_path, kill_at=11)
+    arguments = ledger.plan_arguments(paths(tmp_path)[1])
+    network = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+    rebuilt = DPModel(network, clip_norm=1.0, **arguments)
+    assert rebuilt.planned_steps == killed.planned_steps
+    assert rebuilt.noise_multiplier == killed.noise_multiplier
+    assert rebuilt.schedule == killed.schedule
+    assert rebuilt.privacy_mechanism() == killed.privacy_mechanism()
+    # It resumes the run as the same script does.
+    rebuilt.compile(optimizer="sgd", loss="mse")
+    x, y = dp_data()
+    ran = run(rebuilt, lambda callbacks: rebuilt.fit(
+        x, y, batch_size=B, epochs=EPOCHS, verbose=0, callbacks=callbacks),
+        tmp_path)  # fmt: skip
+    assert ran == PLANNED - 11 and protocol.read_private_steps(rebuilt) == PLANNED
+    assert kept(tmp_path)["plan"]["unit_noise_multiplier"] is not None
+    # Its plan, changed, is refused: not the plan of the steps counted.
+    with pytest.raises(ValueError, match="planned_steps=17"):
+        other = DPModel(network, clip_norm=1.0, **{**arguments, "planned_steps": 17})
+        other.compile(optimizer="sgd", loss="mse")
+        other.fit(x, y, batch_size=B, epochs=EPOCHS, verbose=0,
+                  callbacks=[PrivacyLedger(paths(tmp_path)[1])])  # fmt: skip
+
+
+def test_a_killed_last_layer_dp_sgd_run_resumes_to_its_plan(tmp_path):
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(N, 4)).astype("float32")
+    labels = (features[:, 0] > 0).astype("int32")
+
+    def script(kill_at=None):
+        model = LastLayerDPClassifier(2, method="dp-sgd", target_epsilon=TARGET,
+                                      delta=DELTA)  # fmt: skip
+
+        def fit(callbacks):
+            model.fit(features, labels, batch_size=B, epochs=EPOCHS, verbose=0,
+                      callbacks=callbacks)  # fmt: skip
+
+        return model, run(model, fit, tmp_path, kill_at)
+
+    killed, _ = script(kill_at=11)
+    resumed, ran = script()
+    assert resumed.noise_multiplier == killed.noise_multiplier
+    assert ran == PLANNED - 11 and protocol.read_private_steps(resumed) == PLANNED
+    assert kept(tmp_path)["steps"] == PLANNED
+    assert resumed.privacy_statement().epsilon <= TARGET
+
+
+def test_a_killed_fedemb_run_resumes_to_its_plan(tmp_path):
+    clients = tiny_clients(rounds_per_epoch=3)  # 6 rounds over 2 epochs.
+
+    def script(kill_at=None):
+        model = target_model(schedule=clients.schedule)
+        fit = lambda callbacks: model.fit(  # noqa: E731
+            clients, epochs=2, verbose=0, callbacks=callbacks
+        )
+        return model, run(model, fit, tmp_path, kill_at)
+
+    killed, _ = script(kill_at=5)
+    assert kept(tmp_path)["plan"]["planned_steps"] == 6
+    resumed, ran = script()
+    assert resumed.noise_multiplier == killed.noise_multiplier
+    assert ran == 1 and protocol.read_private_steps(resumed) == 6
+    assert kept(tmp_path)["steps"] == 6
+
+
+def test_the_ledger_refuses_a_broken_plan_and_states_a_missing_one(tmp_path):
+    from kdpemb import privacy
+
+    path = tmp_path / "ledger.json"
+    mechanism = privacy.dp_sgd(1.5, batch_size=8, num_examples=64)
+    ledger.write_ledger(path, mechanism, 3, model="DPModel")  # A fixed noise.
+    assert ledger.read_plan(path) is None
+    with pytest.raises(ValueError, match="keeps no target-ε plan"):
+        ledger.plan_arguments(path)
+    with pytest.raises(FileNotFoundError, match="No privacy ledger"):
+        ledger.plan_arguments(tmp_path / "none.json")
+    record = json.loads(path.read_text())
+    record["plan"] = {"target_epsilon": 1.0, "delta": 1e-3, "planned_steps": 0,
+                      "calibrated_noise_multiplier": 1.5}  # fmt: skip
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"ledger\.json is unreadable .*planned_steps"):
+        ledger.read_plan(path)
+
+
+def test_steps_of_a_backup_without_a_ledger_stay_refused_on_every_rerun(tmp_path):
+    # Killed with a backup but no ledger: a rerun's fresh calibration does
+    # not know the noise of the steps the backup restores, so each rerun
+    # is refused, and the ledger it adds keeps no plan that a later rerun
+    # could adopt for them.
+    backup, path = paths(tmp_path)
+    x, y = dp_data()
+
+    def script(callbacks):
+        model = DPModel(keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)]),
+                        target_epsilon=TARGET, delta=DELTA)  # fmt: skip
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=B, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        return model
+
+    class KillAt(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 5:
+                raise Killed
+
+    with pytest.raises(Killed):
+        script([AtomicBackupAndRestore(backup, save_freq=4), KillAt()])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="restored 4 private steps"):
+            script([AtomicBackupAndRestore(backup, save_freq=4), PrivacyLedger(path)])
+        assert kept(tmp_path)["steps"] == 4 and "plan" not in kept(tmp_path)
