@@ -11,7 +11,7 @@ over `--seeds` seeds; the table shows the smallest real-to-claim margin
 (largest real bound, smallest broken bound).
 
 Run: python examples/audit_dp_sgd.py [--quick] [--seeds N] [--json]
-(`--quick`: about 20-40 s on 2 CPU cores, either backend.)
+(`--quick`: about 15 s on 2 CPU cores, either backend.)
 """
 
 import argparse

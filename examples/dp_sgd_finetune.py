@@ -18,9 +18,10 @@ script prints each one's test accuracy, ε and time, per seed.
     python examples/dp_sgd_finetune.py --quick         # tiny sizes (below)
     python examples/dp_sgd_finetune.py --epsilon 2 --seeds 0,1,2
 
-`--quick` takes about 20 s on TensorFlow and 1.5-2.5 minutes on JAX (2
-CPU cores), most of it compiling the DP step, for figures that mean
-nothing at that size (it says so).
+`--quick` takes about 12 s on TensorFlow and 40 s on JAX (2 idle CPU
+cores; a busy machine takes several times longer), most of it starting
+the backend and compiling the DP step, for figures that mean nothing at
+that size (it says so).
 
 The hyperparameters were set by hand on this synthetic task (its test
 split included): fine for an example, not for a model you release.
@@ -140,8 +141,8 @@ def full_fine_tuning(backbone, train, test, size, args, delta):
     # The whole network's DP step compiles at the first step (JAX: a minute
     # or two on a CPU), then one line per epoch.
     if keras.backend.backend() == "jax":
-        print("  the first step compiles the DP step (about a minute on 2 CPU "
-              "cores)…", flush=True)  # fmt: skip
+        print("  the first step compiles the DP step (10 s to a minute on 2 "
+              "CPU cores)…", flush=True)  # fmt: skip
     progress = RichProgress(unit="step", keys=("private_steps",))
     model.fit(*train, batch_size=size["batch_size"], epochs=size["epochs"],
               verbose=0, callbacks=[progress])  # fmt: skip

@@ -12,7 +12,7 @@ and once with no noise for reference; the test accuracies are printed as a
 table. The DP-LS head at ε = 1, stacked on the backbone, is saved.
 
     python examples/last_layer_dp.py            # ~1.5 min on 2 CPU cores
-    python examples/last_layer_dp.py --quick    # tiny: ~20 s on TF, ~1 min on JAX
+    python examples/last_layer_dp.py --quick    # tiny: ~10 s on TF, ~20 s on JAX
     python examples/last_layer_dp.py --epsilons 0.5 1 4 8
 
 The settings are those that did well in `python -m benchmarks last_layer`

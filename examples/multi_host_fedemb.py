@@ -44,7 +44,7 @@ What it does:
    process, outside the job's distribution).
 
     python examples/multi_host_fedemb.py --quick --data /tmp/q --write-data \\
-        --work-dir /tmp/qrun     # tiny: ~15 s on TF, ~45 s on JAX (2 CPU cores)
+        --work-dir /tmp/qrun     # tiny: ~10 s on TF, ~20 s on JAX (2 CPU cores)
 """
 
 import argparse

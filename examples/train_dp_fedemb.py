@@ -37,7 +37,7 @@ Everything goes to `runs/<date-time>/`: `results.json`, `roc.png`,
 kdpemb's own lines only (`KDPEMB_BACKEND_LOGS=1` shows the backends' too).
 
     python examples/train_dp_fedemb.py            # ~3 min on 2 CPU cores
-    python examples/train_dp_fedemb.py --quick    # tiny: ~35 s on TF, 1.5-3 min on JAX
+    python examples/train_dp_fedemb.py --quick    # tiny: ~20 s on TF, ~40 s on JAX
     python examples/train_dp_fedemb.py --own-epsilon 8  # ε of the run itself
     python examples/train_dp_fedemb.py --reference  # + the reference (make demo)
 """

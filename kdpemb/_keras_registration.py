@@ -20,6 +20,7 @@ Example:
 'kdpemb.models'
 """
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -46,21 +47,29 @@ def _fully_imported(name):
     return module is not None and not getattr(spec, "_initializing", False)
 
 
+_lock = threading.RLock()
+
+
 def _register():
-    """Imports the registering modules. A failure there must not fail the
-    import that Keras (or a kdpemb module) was being imported for: it warns
-    instead, and the import of those modules raises it again."""
-    try:
+    """Imports the registering modules, each tried. A failure there must not
+    fail the import that Keras (or a kdpemb module) was being imported for,
+    even where warnings are errors: it warns if it can, and the import of
+    that module raises it again when it is used."""
+    with _lock:
         for name in REGISTERING_MODULES:
-            importlib.import_module(name)
-    except Exception as error:  # Reported; raised again on use.
-        warnings.warn(
-            f"kdpemb could not register its Keras classes ({name}: "
-            f"{type(error).__name__}: {error}); keras.saving.load_model of a "
-            f"kdpemb model needs `import {name}`.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            try:
+                importlib.import_module(name)
+            except Exception as error:  # Reported; raised again on use.
+                # -W error: never break `import keras`.
+                with contextlib.suppress(Exception):
+                    warnings.warn(
+                        f"kdpemb could not register its Keras classes ({name}: "
+                        f"{type(error).__name__}: {error}); "
+                        "keras.saving.load_model of a kdpemb model needs "
+                        f"`import {name}`.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -101,7 +110,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             _register()
 
     def leave(self):
-        if self in sys.meta_path:
+        with _lock, contextlib.suppress(ValueError):
             sys.meta_path.remove(self)
 
 

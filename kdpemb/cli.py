@@ -192,7 +192,7 @@ def build_parser():
         "target, and at least what `kdpemb privacy epsilon` gives for that "
         "multiplier (equal to it with --accountant rdp or full batches; with "
         "sampled steps on PLD, a bound from a coarser grid, above it by less "
-        "than 0.25%% of the target).",
+        "than 0.25 % of the target).",
     )
     _add_schedule_arguments(calibrate)
     calibrate.add_argument(
@@ -536,7 +536,8 @@ def main(argv=None):
     if extra:
         console.print(
             f"Smallest noise multiplier with ε <= {extra['target_epsilon']:g}: "
-            f"[bold]{statement.noise_multiplier:.4f}[/bold]"
+            # Rounded up: training with the printed value never spends more.
+            f"[bold]{math.ceil(statement.noise_multiplier * 1e4) / 1e4:.4f}[/bold]"
         )
     console.print(statement)
     console.print(statement.summary(), highlight=False)

@@ -18,6 +18,7 @@ __all__ = [
     "AccountingError",
     "CalibrationError",
     "CorruptDatasetError",
+    "CostlyReleaseWarning",
     "DataDependentScheduleWarning",
     "DatasetNotFoundError",
     "DegenerateFeaturesWarning",
@@ -229,6 +230,31 @@ class DegenerateFeaturesWarning(UserWarning):
     ...     warn_if_degenerate(np.zeros((4, 3)), 1.0, "clip_norm")
     >>> [w.category.__name__ for w in caught]
     ['DegenerateFeaturesWarning']
+    """
+
+
+class CostlyReleaseWarning(UserWarning):
+    """An opt-in release beside the gradient is noised less than the
+    gradient itself, so it spends most of each step's budget (e.g.
+    `AdaptiveClipping`'s count at its default noise σ_b = B / 20 with a
+    small batch B): the guarantee holds, but the gradient gets less.
+
+    Example:
+
+    >>> import warnings
+    >>> import keras
+    >>> from kdpemb.models import DPModel
+    >>> from kdpemb.models.dp_sgd.step_releases import warn_costly_count
+    >>> from kdpemb.privacy import AdaptiveClipping, Schedule
+    >>> network = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> model = DPModel(network, noise_multiplier=1.0,
+    ...                 adaptive_clipping=AdaptiveClipping(),
+    ...                 schedule=Schedule.examples(1_000, 8).get_config())
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_costly_count(model)  # σ_b = 8 / 20: 2σ_b = 0.8 < z = 1.
+    >>> [w.category.__name__ for w in caught]
+    ['CostlyReleaseWarning']
     """
 
 

@@ -92,7 +92,7 @@ PLAN_ARGUMENTS = (
 
 def plan_record(
     target_epsilon, delta, planned_steps, calibrated_noise_multiplier,
-    schedule=None, unit_noise_multiplier=None,
+    schedule=None, unit_noise_multiplier=None, releases=None,
 ):  # fmt: skip
     """The target-ε plan that a ledger keeps with its count, as a dict.
 
@@ -105,9 +105,15 @@ def plan_record(
             schedule's mechanism at noise multiplier 1 (the model derives
             `calibrated_noise_multiplier` from it); a model that adopts the
             plan instead of calibrating needs it.
+        releases: dict or None. The settings of the releases each step
+            makes beside the gradient, by argument name (e.g.
+            `{"noised_loss": LossRelease(...).get_config()}`, None for one
+            that is off); the calibration split the noise among them.
 
     >>> plan_record(1.0, 1e-5, 100, 1.25)["planned_steps"]
     100
+    >>> plan_record(1.0, 1e-5, 100, 1.25, releases={"noised_loss": None})["releases"]
+    {'noised_loss': None}
     """
     return check_plan_record(
         {
@@ -117,6 +123,7 @@ def plan_record(
             "calibrated_noise_multiplier": calibrated_noise_multiplier,
             "schedule": schedule,
             "unit_noise_multiplier": unit_noise_multiplier,
+            "releases": releases,
         }
     )
 
@@ -139,11 +146,16 @@ def check_plan_record(plan, path=None):
             ),
             "schedule": plan.get("schedule"),
             "unit_noise_multiplier": plan.get("unit_noise_multiplier"),
+            "releases": plan.get("releases"),
         }
         if checked["schedule"] is not None and not isinstance(
             checked["schedule"], dict
         ):
             raise ValueError("schedule is not a Schedule config (a dict)")
+        if checked["releases"] is not None and not isinstance(
+            checked["releases"], dict
+        ):
+            raise ValueError("releases is not a dict of release settings")
         if checked["unit_noise_multiplier"] is not None:
             checked["unit_noise_multiplier"] = validation.check_noise_multiplier(
                 checked["unit_noise_multiplier"], "unit_noise_multiplier"

@@ -139,6 +139,8 @@ class PrivacyStatement:
         accountant = validation.check_choice(accountant, ACCOUNTANTS, "accountant")
         if not (validation.is_real(epsilon) and epsilon >= 0):
             raise ValueError(f"epsilon must be >= 0 (or inf), got {epsilon!r}.")
+        if not (validation.is_real(delta) and 0 <= delta < 1):
+            raise ValueError(f"delta must be in [0, 1), got {delta!r}.")
         return cls(
             epsilon=float(epsilon),
             delta=float(delta),

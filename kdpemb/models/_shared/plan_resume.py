@@ -8,8 +8,9 @@ kill, the new model's first `fit` finds the plan in its ledger
 (`look_up`, before any callback runs) and adopts it instead of
 calibrating (`kept_unit_noise`, `check_adopted`): the same noise, the
 same planned steps, checked against the model's own arguments, so a
-model built with other ones (another target, δ, data size, batch size or
-number of epochs) is refused before any step, naming the field. The
+model built with other ones (another target, δ, data size, batch size,
+number of epochs, or release beside the gradient: `noised_loss`,
+`adaptive_clipping`) is refused before any step, naming the field. The
 plan guard then counts the steps the killed run began and stops the
 epoch Keras reruns at the plan's end (`privacy_plan.PlanGuard`).
 
@@ -20,11 +21,16 @@ Example:
 """
 
 import dataclasses
+import json
 
 import keras
 
 from kdpemb.callbacks.privacy_ledger import PrivacyLedger
 from kdpemb.privacy import ledger
+
+# The model's settings of the releases each step makes beside its noisy
+# sum (the calibrated noise is split among them); kept with the plan.
+RELEASE_SETTINGS = ("noised_loss", "adaptive_clipping")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +121,24 @@ def check_fields(model, planned, calibrated=None):
     for name, value in fields:
         if value != kept.plan[name]:
             refuse(model, name, kept.plan[name], value)
+    releases = kept.plan.get("releases")
+    if releases is None:  # Not recorded: the mechanism's check covers them.
+        return
+    now = release_settings(model)
+    for name in sorted(set(now) | set(releases)):
+        if now.get(name) != releases.get(name):
+            refuse(model, name, releases.get(name), now.get(name))
+
+
+def release_settings(model):
+    """The model's `RELEASE_SETTINGS` it has, as configs (None: off), as
+    they read back from JSON."""
+    settings = {}
+    for name in RELEASE_SETTINGS:
+        if hasattr(model, name):
+            value = getattr(model, name)
+            settings[name] = None if value is None else value.get_config()
+    return json.loads(json.dumps(settings))
 
 
 def check_adopted(model):
@@ -170,4 +194,5 @@ def model_plan(model):
         model.target_epsilon, model.delta, model.planned_steps,
         model.calibrated_noise_multiplier,
         None if schedule is None else schedule.get_config(), unit,
+        release_settings(model),
     )  # fmt: skip

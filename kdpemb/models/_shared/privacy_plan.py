@@ -337,7 +337,7 @@ def check_later_fit(model, steps, noun="steps", remedy=None):
     check_budget(model, steps, noun, remedy=remedy)
 
 
-def plan_steps(model, schedule, steps, verbose, callbacks=None):
+def plan_steps(model, schedule, steps, verbose, callbacks=None, split=None):
     """The target-ε flow of a model whose schedule comes from its first
     `fit` (`DPModel`): adopts `schedule`; with a `target_epsilon`,
     calibrates the noise once (`calibrate_first_plan`, on the schedule's
@@ -345,6 +345,11 @@ def plan_steps(model, schedule, steps, verbose, callbacks=None):
     `PrivacyLedger` among `callbacks` keeps) and refuses, before any step,
     a fit that would go past the plan. Returns whether this call
     calibrated.
+
+    `split`: None, or a callable `(z, schedule) -> noise multiplier` for a
+    step of several releases: z is calibrated (or kept) for the whole
+    step, and `split` gives the model's own share of it, before the plan
+    is adopted (a `ValueError` from it refuses the fit, nothing adopted).
     """
     if model.schedule is None:
         refuse_unplanned_steps(model)
@@ -355,6 +360,13 @@ def plan_steps(model, schedule, steps, verbose, callbacks=None):
         planned, z = calibrate_first_plan(
             model, schedule.privacy_mechanism(1.0, model.clip_norm), steps, verbose
         )
+        if split is not None:
+            try:
+                z = split(z, schedule)
+            except Exception:
+                model._plan_unit_noise = None  # Nothing was adopted.
+                model._plan_from_ledger = False
+                raise
         adopt_first_plan(model, planned, z, schedule=schedule)
         calibrated = True
     elif adopted:

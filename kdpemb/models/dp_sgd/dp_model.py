@@ -318,12 +318,14 @@ class DPModel(FrozenSettings, keras.Model):
         self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 
         steps = steps_per_epoch * (epochs - initial_epoch)
+        shown = privacy_plan.is_verbose({"verbose": verbose, "callbacks": callbacks})
         calibrated = privacy_plan.plan_steps(
-            self, schedule, steps, privacy_plan.is_verbose(
-                {"verbose": verbose, "callbacks": callbacks}), callbacks,
+            self, schedule, steps, shown, callbacks,
+            # z_eff of the step: the gradient keeps what the others leave.
+            split=lambda z, schedule: step_releases.gradient_noise(
+                self, z, schedule, shown),
         )  # fmt: skip
-        if calibrated:  # z_eff of the step: the gradient keeps what is left.
-            step_releases.split_calibrated_noise(self, verbose)
+        step_releases.warn_costly_count(self)
         callbacks = privacy_plan.guard_epochs(
             self, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated
         )

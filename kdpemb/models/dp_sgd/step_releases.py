@@ -14,9 +14,14 @@ Every release is a Gaussian on the step's sampled examples, each from its
 own `SeedGenerator`: the step is one Gaussian mechanism of multiplier
 z_eff = (z⁻² + z_l⁻² + (2σ_b)⁻²)^(-1/2)
 (`kdpemb.privacy.gaussian_release.effective_noise_multiplier`), the
-mechanism the accountant counts, and the one a `target_epsilon`
-calibrates (the gradient keeps what the others leave). With both off the
-step and its mechanism are DP-SGD's alone.
+mechanism the accountant counts (a
+`kdpemb.privacy.composed_step.ComposedSampledGaussian`, which names each
+release and its noise for the statement and the ledger), and the one a
+`target_epsilon` calibrates (the gradient keeps what the others leave,
+`gradient_noise`). With both off the step and its mechanism are DP-SGD's
+alone. Both divide by the expected batch size B, never by the realised
+(private) one. `history["noised_loss"]` is each epoch's last step (as
+`clip_norm`); a step past a target-ε plan logs NaN and leaves C.
 
 Example:
 
@@ -31,11 +36,16 @@ Example:
 ['count within the clip norm', 'clipped training loss sum']
 """
 
+import math
+import warnings
+
 from keras import ops
 
-from kdpemb.models._shared import frozen_settings, privacy_plan, private_state
+from kdpemb.errors import CostlyReleaseWarning
+from kdpemb.models._shared import private_state
 from kdpemb.privacy import gaussian_release, gaussian_sum, quantile_clip
 from kdpemb.privacy.adaptive_clipping import AdaptiveClipping
+from kdpemb.privacy.composed_step import ComposedSampledGaussian
 from kdpemb.privacy.loss_release import LossRelease
 
 # The seed generators of the releases, after the gradient's `noise_seed`
@@ -65,6 +75,7 @@ def configure(model, noised_loss, adaptive_clipping, seed):
                 "gradient norms; per_layer_clipping would need a count, and a "
                 "release, per layer. Use one of the two."
             )
+        refuse_unnoised_count(model.adaptive_clipping, model.noise_multiplier)
         model.current_clip_norm = private_state.add_state(
             model, "current_clip_norm", initializer=model.clip_norm
         )
@@ -79,6 +90,22 @@ def configure(model, noised_loss, adaptive_clipping, seed):
     )
     for name, generator in zip(names, generators, strict=True):
         setattr(model, name, generator)
+
+
+def refuse_unnoised_count(clipping, noise_multiplier):
+    """Refuses `count_stddev=0` unless the gradient has no noise either
+    (`noise_multiplier` 0; None: a target ε, whose noise is > 0): the
+    count that moves C would be logged (`clip_norm`) without noise."""
+    if clipping.count_stddev != 0 or noise_multiplier == 0:
+        return
+    raise ValueError(
+        "AdaptiveClipping(count_stddev=0) would move the clip norm, which "
+        "every step logs as clip_norm, by the count of examples within it "
+        "without noise: a release of private data without a guarantee "
+        "(ε = ∞), beside a noised gradient. Give count_stddev > 0 (None, "
+        "the default, takes B / 20 for an expected batch of B), or "
+        "noise_multiplier=0 for a run without privacy."
+    )
 
 
 def seed_generators(model):
@@ -111,43 +138,74 @@ def extra_releases(model, batch_size):
 
 
 def privacy_mechanism(model):
-    """The schedule's mechanism with the step's z_eff; with no extra release
-    that of the gradient alone (z and C). With adaptive clipping it names
-    no clip norm: C changes every step."""
+    """The schedule's mechanism of the step; with no extra release that of
+    the gradient alone (z and C), else the `ComposedSampledGaussian` of
+    the gradient's and the others' releases (z_eff). With adaptive
+    clipping it names no clip norm: C changes every step."""
     schedule, z = model.schedule, model.noise_multiplier
     others = extra_releases(model, schedule.sample_size)
     if not others:
         return schedule.privacy_mechanism(z, model.clip_norm)
-    gradient = gaussian_release.GaussianRelease(z, 1.0, "clipped gradient sum")
-    z_eff = gaussian_release.effective_noise_multiplier([gradient, *others])
-    clip_norm = None if model.adaptive_clipping is not None else model.clip_norm
-    return schedule.privacy_mechanism(z_eff, clip_norm)
+    if model.adaptive_clipping is None:
+        name = f"clipped gradient sum (std z·C on sensitivity C = {model.clip_norm:g})"
+        clip_norm = model.clip_norm
+    else:
+        name = "clipped gradient sum (std z·C on sensitivity C, the step's C)"
+        clip_norm = None
+    gradient = gaussian_release.GaussianRelease(z, 1.0, name)
+    return ComposedSampledGaussian.compose(
+        schedule.privacy_mechanism(z, clip_norm), [gradient, *others]
+    )
 
 
-def split_calibrated_noise(model, verbose):
-    """After a first fit calibrated z_eff for the target (as the model's
-    noise multiplier): keeps for the gradient what the other releases
-    leave, or refuses the fit (undoing its plan) if they alone spend the
-    target. `verbose` is `fit`'s."""
-    others = extra_releases(model, model.schedule.sample_size)
+def gradient_noise(model, z_eff, schedule, verbose):
+    """The gradient's noise multiplier of a step whose releases together
+    must have `z_eff` (calibrated for a target): what the other releases
+    leave (`remaining_noise_multiplier`), or a `ValueError` naming the
+    setting to raise if they alone spend it. `verbose` prints it."""
+    others = extra_releases(model, schedule.sample_size)
     if not others:
-        return
-    try:
-        z = gaussian_release.remaining_noise_multiplier(
-            model.noise_multiplier, others,
-            "Raise their noise: AdaptiveClipping(count_stddev=...) or "
-            "LossRelease(noise_multiplier=...), a few times the target's.",
-        )  # fmt: skip
-    except ValueError:
-        privacy_plan.forget_plan(model, schedule=None)
-        raise
-    frozen_settings.adopt_plan(model, calibrated_noise_multiplier=z, noise_multiplier=z)
-    if privacy_plan.is_verbose({"verbose": verbose}):
+        return z_eff
+    z = gaussian_release.remaining_noise_multiplier(
+        z_eff, others,
+        "Raise their noise: AdaptiveClipping(count_stddev=...) or "
+        "LossRelease(noise_multiplier=...), a few times the target's.",
+    )  # fmt: skip
+    if verbose:
         print(
             f"DPModel: with the other releases of each step, the gradient's "
             f"noise multiplier is {z:.4g}.",
             flush=True,
         )
+    return z
+
+
+def warn_costly_count(model):
+    """Warns once per model, before its first steps, where adaptive
+    clipping's count is noised less than the gradient (z_b = 2σ_b < z):
+    it then spends more of each step's budget than the gradient itself
+    (with the default σ_b = B / 20, below a batch of B = 10 z)."""
+    clipping, z = model.adaptive_clipping, model.noise_multiplier
+    if clipping is None or getattr(model, "_count_cost_warned", False):
+        return
+    batch_size = model.schedule.sample_size
+    z_b = clipping.count_noise_multiplier(batch_size)
+    if z_b >= z:
+        return
+    model._count_cost_warned = True
+    default = " (the default B / 20)" if clipping.count_stddev is None else ""
+    warnings.warn(
+        f"AdaptiveClipping's count of examples within C is noised less than "
+        f"the gradient: its noise multiplier z_b = 2σ_b = {z_b:.4g} (σ_b = "
+        f"{z_b / 2:.4g}{default}, for an expected batch of B = {batch_size:g}) "
+        f"is below the gradient's z = {z:.4g}, so the count spends more of "
+        f"each step's budget than the gradient (the step's noise multiplier "
+        f"is {privacy_mechanism(model).noise_multiplier:.4g}). Give "
+        f"AdaptiveClipping(count_stddev=...) of a few times z / 2 (e.g. "
+        f"{2.5 * z:.3g}), or a larger batch.",
+        CostlyReleaseWarning,
+        stacklevel=3,  # Through `DPModel.fit`.
+    )
 
 
 def step_engine(model, engine):
@@ -215,7 +273,7 @@ def release(model, clipped, losses, within_plan):
         clipped: the step's gradient `ClippedSum` (at the step's C).
         losses: the loss `ClippedSum` (`uncarry`), or None.
         within_plan: traced bool or None. A step past the plan releases
-            nothing: C stays, and the noised loss is logged as 0.
+            nothing: C stays, and the noised loss is logged as NaN.
     """
     logs = {}
     batch_size = float(model.schedule.sample_size)
@@ -224,7 +282,9 @@ def release(model, clipped, losses, within_plan):
             losses, model.noised_loss.noise_multiplier, model.loss_seed
         )
         value = (losses.total[0] + noise) / batch_size
-        logs["noised_loss"] = _only_within(within_plan, value, ops.zeros_like(value))
+        logs["noised_loss"] = _only_within(
+            within_plan, value, ops.full_like(value, math.nan)
+        )
     if model.adaptive_clipping is not None:
         clipping = model.adaptive_clipping
         noise = quantile_clip.count_noise(

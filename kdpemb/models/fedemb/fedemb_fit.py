@@ -19,9 +19,9 @@ from kdpemb.models.fedemb import fedemb_checks, fedemb_privacy
 from kdpemb.models.fedemb import fedemb_multi_host as multi_host
 from kdpemb.privacy import protocol
 
-# The first round's compilation, measured on 2 CPU cores for the models of
-# examples/train_dp_fedemb.py (a loaded machine takes longer).
-COMPILE_TIMES = {"tensorflow": "about 20 s", "jax": "30 s to 2 minutes"}
+# The first round's compilation, measured on 2 idle CPU cores for the
+# models of examples/train_dp_fedemb.py (quick and full sizes).
+COMPILE_TIMES = {"tensorflow": "about 10 s", "jax": "15 s to a minute"}
 
 
 def fit(model, keras_fit, x, kwargs):
@@ -44,7 +44,8 @@ def fit(model, keras_fit, x, kwargs):
     if verbose and model.train_function is None:
         print(
             "FedEmbModel: compiling the round (the first round waits for "
-            f"it; {COMPILE_TIMES[keras.backend.backend()]} on a 2-core CPU)…",
+            f"it; {COMPILE_TIMES[keras.backend.backend()]} on 2 CPU cores, "
+            "more on a busy machine)…",
             flush=True,
         )
     if not schedule.pool_is_public:

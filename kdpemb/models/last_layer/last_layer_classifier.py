@@ -65,6 +65,8 @@ class ClipFeatures(keras.layers.Layer):
     """
 
     def __init__(self, clip_norm, **kwargs):
+        # In float32 under a mixed policy too, as the shipped model's ops.
+        kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         self.clip_norm = float(clip_norm)
 
