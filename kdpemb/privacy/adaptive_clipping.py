@@ -59,8 +59,12 @@ class AdaptiveClipping(ConfigDataclass):
         count_stddev: float >= 0 or None. σ_b, the noise std on the
             round's count of clients within C (in clients). None (the
             default) takes M / 20, with M the expected clients per round.
-            Its privacy cost is that of a noise multiplier 2σ_b, combined
-            with the update's (`effective_noise_multiplier`).
+            Its privacy cost is that of a noise multiplier 2σ_b (M / 10 by
+            default), combined with the update's
+            (`effective_noise_multiplier`): for small M (a DP-SGD batch
+            of a few dozen examples) give it a few times z / 2. With 0,
+            C moves (and is logged) by an unnoised count: ε = ∞, and
+            `kdpemb.models.DPModel` refuses it beside a noised gradient.
 
     Example:
 

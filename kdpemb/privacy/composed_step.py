@@ -23,8 +23,9 @@ Example:
 0.9806
 >>> print(step.describe_noise())  # doctest: +NORMALIZE_WHITESPACE
 independent Gaussian noise each step, on 2 releases of the step's sample
-composed as one Gaussian: clipped gradient sum: noise multiplier 1;
-clipped training loss sum, std 10 on sensitivity 2: noise multiplier 5
+composed as one Gaussian: clipped gradient sum: noise multiplier 1 (std 1
+on sensitivity 1); clipped training loss sum: noise multiplier 5 (std 10
+on sensitivity 2)
 """
 
 import dataclasses
@@ -105,15 +106,12 @@ class ComposedSampledGaussian(SampledGaussian):
 
     def describe_noise(self):
         """The noise, and each release of the step, in words."""
-        parts = []
-        for release in self.step_releases:
-            name = release.name or "release"
-            if release.sensitivity != 1.0:
-                name += (
-                    f", std {release.noise_std:.4g} on sensitivity "
-                    f"{release.sensitivity:.4g}"
-                )
-            parts.append(f"{name}: noise multiplier {release.noise_multiplier:.4g}")
+        parts = [
+            f"{release.name or 'release'}: noise multiplier "
+            f"{release.noise_multiplier:.4g} (std {release.noise_std:.4g} on "
+            f"sensitivity {release.sensitivity:.4g})"
+            for release in self.step_releases
+        ]
         return (
             f"{INDEPENDENT_NOISE}, on {len(parts)} releases of the step's sample "
             f"composed as one Gaussian: {'; '.join(parts)}"

@@ -4,15 +4,18 @@ the gradient sum's sensitivity is the current C; the step is accounted as
 one Gaussian; C is model state, saved and restored."""
 
 import math
+import warnings
 
 import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
-from keras import layers
+from keras import layers, ops
 
+from kdpemb.errors import CostlyReleaseWarning
 from kdpemb.models import DPModel
-from kdpemb.privacy import AdaptiveClipping, LossRelease, protocol
+from kdpemb.models.dp_sgd import step_releases
+from kdpemb.privacy import AdaptiveClipping, LossRelease, ledger, protocol
 from tests.models.test_last_layer import save_and_load
 
 pytestmark = pytest.mark.filterwarnings(
@@ -105,6 +108,66 @@ def test_one_step_moves_c_by_the_share_of_examples_within_it(physical_batch_size
     assert history.history["clip_norm"][-1] == pytest.approx(current_c(model))
 
 
+class RealisedSample(DPModel):
+    """A DPModel whose steps also log their realised Poisson sample, for a
+    test to compare with the releases: the gradient norms 2|y| of the
+    sampled examples (padding rows: -1)."""
+
+    def _dp_step(self, data):
+        _, y, mask = data
+        norms = ops.where(mask > 0, 2 * ops.abs(y[:, 0]), -1.0)
+        return {**super()._dp_step(data), "realised_norms": norms}
+
+
+def test_poisson_steps_divide_the_count_and_the_loss_by_the_expected_batch():
+    # Zero noise on the gradient and the count (the loss's is below float32
+    # round-off), zero weights that SGD(0) keeps: each step's releases are
+    # functions of its realised sample alone, whose size is private. Both
+    # divide by the expected batch M, never by the realised count.
+    n, m, eta, gamma = 32, 8, 0.5, 0.5
+    norms = np.geomspace(0.2, 20.0, n)
+    x, y = known_norms(norms)
+    bound = float(np.median(norms**2 / 4))
+    model = RealisedSample(
+        linear_network(), clip_norm=3.0, noise_multiplier=0.0, seed=3,
+        adaptive_clipping=AdaptiveClipping(gamma, eta, count_stddev=0.0),
+        noised_loss=LossRelease(bound, noise_multiplier=1e-6),
+    )  # fmt: skip
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    steps = StepLogs()
+    model.fit(x, y, batch_size=m, epochs=2, verbose=0, callbacks=[steps])
+    assert len(steps.logs) == 2 * n // m
+    samples = [step["realised_norms"] for step in steps.logs]
+    samples = [sample[sample >= 0] for sample in samples]
+    assert any(len(sample) != m for sample in samples)  # Denominators differ.
+    c = 3.0  # The step's C: the initial one, then the one each step logs.
+    for step, sample in zip(steps.logs, samples, strict=True):
+        clipped_losses = np.minimum(sample**2 / 4, bound)
+        assert step["noised_loss"] == pytest.approx(
+            clipped_losses.sum() / m, rel=1e-5, abs=1e-5
+        )
+        centred = np.sum(sample <= c) - len(sample) / 2
+        share = min(max(centred / m + 0.5, 0.0), 1.0)
+        assert step["clip_norm"] == pytest.approx(
+            c * math.exp(-eta * (share - gamma)), rel=1e-5
+        )
+        c = step["clip_norm"]
+    assert c != 3.0  # C moved.
+
+
+class StepLogs(keras.callbacks.Callback):
+    """Every step's logs, as floats (arrays for vectors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        arrays = {k: np.asarray(v) for k, v in logs.items()}
+        self.logs.append({k: float(v) if v.ndim == 0 else v
+                          for k, v in arrays.items()})  # fmt: skip
+
+
 def test_without_noise_c_settles_at_the_target_quantile_of_known_norms():
     # γ = 0.35 of ten norms: within C, 3 are too few and 4 too many, so C
     # settles at the 4th norm, within the factor exp(η · 0.05) of a step.
@@ -156,7 +219,24 @@ def test_the_accountant_s_epsilon_is_dp_accounting_s_on_the_combined_gaussian():
     assert mechanism.clip_norm is None  # C moves: the statement names none.
     steps = protocol.read_private_steps(model)
     expected = pld_epsilon(z_eff, m / 32, steps)
-    assert model.privacy_statement().epsilon == pytest.approx(expected, rel=1e-9)
+    statement = model.privacy_statement()
+    assert statement.epsilon == pytest.approx(expected, rel=1e-9)
+    # What was composed, with its noise, in the mechanism, the statement
+    # and the parameters a ledger records.
+    parts = [(r.name, r.noise_std, r.sensitivity) for r in mechanism.step_releases]
+    assert parts[1:] == [("count within the clip norm", sigma_b, 0.5),
+                         ("clipped training loss sum", z_l * 1.0, 1.0)]  # fmt: skip
+    assert parts[0][0].startswith("clipped gradient sum") and parts[0][1] == z
+    summary = statement.summary()
+    assert "3 releases" in summary
+    for release in (
+        "gradient sum, per unit of the clip norm C: noise multiplier 2 ",
+        "count within the clip norm: noise multiplier 3 (std 1.5 on sensitivity 0.5)",
+        "loss sum: noise multiplier 5 (std 5 ",
+    ):
+        assert release in summary
+    recorded = ledger.mechanism_parameters(mechanism)["step_releases"]
+    assert [r["noise_std"] for r in recorded] == [z, sigma_b, z_l]
     # The default σ_b is 5% of the expected batch: 0.4 here.
     default = DPModel(mlp(), noise_multiplier=z, adaptive_clipping=AdaptiveClipping(),
                       schedule=model.schedule.get_config())  # fmt: skip
@@ -260,11 +340,27 @@ def test_every_noise_stream_is_drawn_afresh_from_os_entropy_at_each_fit():
     def keys():  # The first word: a draw only advances the second.
         return [int(keras.ops.convert_to_numpy(g.state)[0]) for g in generators]
 
+    found = []
+
+    class AtTrainBegin(keras.callbacks.Callback):
+        """The streams' keys as the fit's first step is about to draw."""
+
+        def on_train_begin(self, logs=None):
+            found.append(keys())
+
     built = keys()
     assert len(set(built)) == 3
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    for _ in range(2):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[AtTrainBegin()])
+    first, second = found
     after = keys()
-    assert all(a != b for a, b in zip(after, built, strict=True))
+    # Reseeded at the start of each fit (the first draws are neither the
+    # construction's nor the last fit's), and again at its end.
+    for keys_at in (first, second):
+        assert len(set(keys_at)) == 3
+        assert all(a != b for a, b in zip(keys_at, built, strict=True))
+    assert all(a != b for a, b in zip(second, first, strict=True))
+    assert all(a != b for a, b in zip(after, second, strict=True))
 
 
 def test_unsupported_settings_are_refused_at_construction():
@@ -280,3 +376,39 @@ def test_unsupported_settings_are_refused_at_construction():
     with pytest.raises(AttributeError, match="fixed at construction"):
         model.adaptive_clipping = None
     assert current_c(model) == model.clip_norm == 1.0
+    # A count without noise moves the logged C in the clear: refused beside
+    # a noised gradient (or a target ε), allowed only without any noise.
+    unnoised = AdaptiveClipping(count_stddev=0.0)
+    for settings in ({"noise_multiplier": 0.5},
+                     {"target_epsilon": 1.0, "delta": DELTA}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"count_stddev=0\) would .*ε = ∞"):
+            DPModel(mlp(), adaptive_clipping=unnoised, **settings)
+    DPModel(mlp(), noise_multiplier=0.0, adaptive_clipping=unnoised)
+
+
+def test_a_count_noised_less_than_the_gradient_warns_once_before_training():
+    # The default σ_b = M / 20 at M = 8: 2σ_b = 0.8, below z = 1.
+    x, y = data(n=32)
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(len(caught))
+
+    model = DPModel(mlp(), noise_multiplier=1.0, adaptive_clipping=AdaptiveClipping())
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Seen()])
+    costly = [w for w in caught if w.category is CostlyReleaseWarning]
+    assert len(costly) == 1 and seen[0] == len(caught)  # Before the first step.
+    message = str(costly[0].message)
+    assert "z_b = 2σ_b = 0.8" in message and "z = 1" in message
+    assert "count_stddev" in message
+    # A count noised at least as much as the gradient (2σ_b = z): no warning.
+    quiet = DPModel(mlp(), noise_multiplier=1.0, schedule=model.schedule.get_config(),
+                    adaptive_clipping=AdaptiveClipping(count_stddev=0.5))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CostlyReleaseWarning)
+        step_releases.warn_costly_count(quiet)

@@ -118,9 +118,7 @@ def test_one_dp_model_step_trains_every_weight(build):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "build", [resnet, vit]
-)
+@pytest.mark.parametrize("build", [resnet, vit])
 def test_one_fedemb_round_trains_every_weight(build):
     backbone = embedding(build)
     data = synthetic_identities(8, 2, image_size=SIZE)

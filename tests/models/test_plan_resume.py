@@ -13,7 +13,7 @@ import pytest
 from kdpemb.callbacks import AtomicBackupAndRestore, PrivacyLedger
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models import DPModel, LastLayerDPClassifier
-from kdpemb.privacy import ledger, protocol
+from kdpemb.privacy import AdaptiveClipping, LossRelease, ledger, protocol
 from tests.models.test_fedemb import tiny_clients
 from tests.models.test_fedemb_target_epsilon import target_model
 
@@ -97,19 +97,35 @@ def kept(tmp_path):
     return ledger.read_ledger(paths(tmp_path)[1])
 
 
+# The releases a step may make beside the gradient: the calibrated z_eff
+# is split among them before the plan is adopted, on the first run as on
+# its rerun.
+RELEASES = {
+    "gradient_only": {},
+    "noised_loss": {"noised_loss": LossRelease(2.0, 5.0)},
+    "adaptive_clipping": {"adaptive_clipping": AdaptiveClipping(count_stddev=2.0)},
+}
+
+
+@pytest.mark.parametrize("releases", RELEASES.values(), ids=RELEASES.keys())
 def test_a_rerun_of_the_same_script_adopts_the_kept_plan_and_finishes_it(
-    tmp_path, capsys
+    tmp_path, capsys, releases
 ):
-    killed, _ = dp_script(tmp_path, kill_at=11)  # 10 ran, 11 counted.
+    killed, _ = dp_script(tmp_path, kill_at=11, **releases)  # 10 ran, 11 counted.
     record = kept(tmp_path)
     assert record["steps"] == 11
     plan = record["plan"]
     assert plan["planned_steps"] == PLANNED == killed.planned_steps
     assert plan["calibrated_noise_multiplier"] == killed.noise_multiplier
     assert plan["schedule"] == killed.schedule.get_config()
+    for name, setting in releases.items():
+        assert plan["releases"][name] == setting.get_config()
+    # The gradient's z is what the other releases leave of the plan's z_eff.
+    z_eff = killed.privacy_mechanism().noise_multiplier
+    assert (killed.noise_multiplier > z_eff) == bool(releases)
     capsys.readouterr()
 
-    resumed, ran = dp_script(tmp_path, verbose=1)
+    resumed, ran = dp_script(tmp_path, verbose=1, **releases)
     out = capsys.readouterr().out
     assert "calibrating" not in out and "resuming the plan" in out
     assert "resuming a run with 11 of its 16 planned private steps" in out
@@ -125,9 +141,11 @@ def test_a_rerun_of_the_same_script_adopts_the_kept_plan_and_finishes_it(
     )
     statement = resumed.privacy_statement()
     assert statement.steps == PLANNED and statement.epsilon <= TARGET
-    # A plan spent: running the script again trains nothing more.
-    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 0 more steps"):
-        dp_script(tmp_path)
+    # A plan spent: running the script again trains nothing more, and says
+    # what the plan spent at the gradient's z with the other releases.
+    with pytest.raises(PrivacyBudgetExhaustedError, match="at most 0 more steps") as e:
+        dp_script(tmp_path, **releases)
+    assert f"spent ε = {statement.epsilon:.4g} of" in str(e.value)
     assert kept(tmp_path)["steps"] == PLANNED
 
 
@@ -137,6 +155,8 @@ def test_a_rerun_of_the_same_script_adopts_the_kept_plan_and_finishes_it(
         ({"target_epsilon": 3.0}, "target_epsilon"),
         ({"epochs": 3}, "planned_steps"),
         ({"clip_norm": 0.5}, "clip_norm"),
+        (RELEASES["noised_loss"], "noised_loss"),
+        (RELEASES["adaptive_clipping"], "adaptive_clipping"),
     ],
 )
 def test_a_rerun_with_another_argument_is_refused_before_any_step(

@@ -51,6 +51,9 @@ from kdpemb.privacy.loss_release import LossRelease
 # The seed generators of the releases, after the gradient's `noise_seed`
 # (with a fixed seed, generator i is drawn from seed + i).
 SEED_NAMES = ("count_seed", "loss_seed")
+# The gradient's release in the mechanism: std z·C on sensitivity C, at
+# the step's C (which adaptive clipping moves).
+GRADIENT_RELEASE = "clipped gradient sum, per unit of the clip norm C"
 
 
 def configure(model, noised_loss, adaptive_clipping, seed):
@@ -146,13 +149,8 @@ def privacy_mechanism(model):
     others = extra_releases(model, schedule.sample_size)
     if not others:
         return schedule.privacy_mechanism(z, model.clip_norm)
-    if model.adaptive_clipping is None:
-        name = f"clipped gradient sum (std z·C on sensitivity C = {model.clip_norm:g})"
-        clip_norm = model.clip_norm
-    else:
-        name = "clipped gradient sum (std z·C on sensitivity C, the step's C)"
-        clip_norm = None
-    gradient = gaussian_release.GaussianRelease(z, 1.0, name)
+    clip_norm = None if model.adaptive_clipping is not None else model.clip_norm
+    gradient = gaussian_release.GaussianRelease(z, 1.0, GRADIENT_RELEASE)
     return ComposedSampledGaussian.compose(
         schedule.privacy_mechanism(z, clip_norm), [gradient, *others]
     )
