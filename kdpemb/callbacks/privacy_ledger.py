@@ -13,6 +13,23 @@ from kdpemb.privacy.protocol import (
 )
 
 
+def executed_steps(params, begin, end):
+    """The steps of an execution that Keras reports from batch `begin` to
+    `end` (its first and last step: a whole `steps_per_execution`), where
+    the last one of an epoch of `params["steps"]` ends with the epoch. One
+    that ran on into the next epoch's data (a fit given `steps_per_epoch`)
+    is counted in full at the epoch's end, where the model is synced.
+
+    >>> executed_steps({"steps": 8}, 6, 8), executed_steps({"steps": 8}, 3, 5)
+    (2, 3)
+    """
+    ran = end - begin + 1
+    per_epoch = (params or {}).get("steps")
+    if per_epoch:
+        ran = min(ran, int(per_epoch) - begin)
+    return max(1, ran)
+
+
 class PrivacyLedger(keras.callbacks.Callback):
     """Counts every private step on disk before it runs, and resumes from it.
 
@@ -24,7 +41,10 @@ class PrivacyLedger(keras.callbacks.Callback):
     - before each execution of `train_step` (`on_train_batch_begin`) it
       atomically rewrites the ledger file with the number of private steps
       that will then have begun, so a kill at any point leaves a count that
-      is never below the steps that ran;
+      is never below the steps that ran (with `steps_per_execution` = k, k
+      more; with a target-ε plan, at most its planned steps, since a
+      kdpemb model's step past its plan counts nothing and releases
+      nothing);
     - when training begins it raises the model's `private_steps` to the
       ledger's count if a restore went back (it never lowers it) and says
       so. A `FedEmbModel` on rounds without sampling (`sampling="epochs"`)
@@ -41,7 +61,10 @@ class PrivacyLedger(keras.callbacks.Callback):
     below the ledger's count after this callback began is refused before
     its first step. The ledger records the model's class and its
     mechanism's parameters, and refuses a model of another class or
-    mechanism: give each training run its own path, and keep it after the
+    mechanism; a ledger that keeps a plan also refuses a model with a
+    fixed noise, and a restored `private_steps` above its count (a backup
+    of another run: the ledger counts each step of its own run before it
+    runs). Give each training run its own path, and keep it after the
     run (it is the record of what the run spent;
     `kdpemb.privacy.ledger_statement` states it even if the run is never
     resumed). A model with a `target_epsilon` hands its plan to the
@@ -54,7 +77,10 @@ class PrivacyLedger(keras.callbacks.Callback):
     file write: about 10 ms with `durable=True` (fsync) and 0.7 ms without
     on a container's overlay disk, less on a local SSD. On several hosts
     (`kdpemb.distribute`) the chief alone reads and writes the ledger and
-    shares its count: give every host the same path.
+    shares its count: give every host the same path. A rerun's model reads
+    the plan on every host, so keep the file where every host sees it (a
+    shared disk): hosts that adopt different plans are refused together
+    before any round.
 
     Args:
         path: str or path. The ledger file (JSON), e.g. next to the backup.
@@ -121,8 +147,8 @@ class PrivacyLedger(keras.callbacks.Callback):
         model = self.model
         self._mechanism = check_private_model(model)
         self._hosts = distribute.current_hosts(model)
-        recorded = self._read_on_chief()
         steps = read_private_steps(model)
+        recorded = self._read_on_chief(steps)
         self.restored_steps = 0
         counted = steps if recorded is None else max(recorded, steps)
         raised = steps if recorded is None else resume_steps(model, counted)
@@ -159,11 +185,14 @@ class PrivacyLedger(keras.callbacks.Callback):
         if self.plan is not None and self._record.get("plan") != self.plan:
             # Kept from the first step of a fit its guard accepted.
             self._record["plan"] = ledger.check_plan_record(self.plan)
-        self._write(self._counted + self._execution_steps(batch))
+        size = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        # k: an execution may run on into the next epoch's data (a fit
+        # given steps_per_epoch), so it is not cut at the epoch's end here.
+        self._write(self._within_plan(self._counted + size))
 
     def on_train_batch_end(self, batch, logs=None):
-        # Keras reports the first and last step of each execution.
-        self._counted += batch - self._batch_begin + 1
+        ran = executed_steps(self.params, self._batch_begin, batch)
+        self._counted = self._within_plan(self._counted + ran)
 
     def on_epoch_end(self, epoch, logs=None):
         self._sync()
@@ -176,10 +205,10 @@ class PrivacyLedger(keras.callbacks.Callback):
     def _model_name(self):
         return type(self.model).__name__
 
-    def _read_on_chief(self):
+    def _read_on_chief(self, steps):
         """The ledger's step count, or None: read by the chief and shared,
         so every host raises `private_steps` alike (and a refusal stops
-        every host)."""
+        every host). `steps`: the model's restored `private_steps`."""
         code = 0  # 0: no ledger, 1: refused, 2 + n: n steps.
         refusal = None
         self._recorded_plan = None  # Kept by the chief, the one writer.
@@ -193,9 +222,10 @@ class PrivacyLedger(keras.callbacks.Callback):
                     raise
                 code, refusal = 1, error
             else:
-                code = 0 if record is None else 2 + record["steps"]
                 if record is not None:
+                    self._check_resumable(record, steps)
                     self._recorded_plan = record.get("plan")
+                code = 0 if record is None else 2 + record["steps"]
         code = self._hosts.broadcast_int(code)
         if code == 1:
             if refusal is not None:
@@ -211,13 +241,46 @@ class PrivacyLedger(keras.callbacks.Callback):
         if self._hosts.is_chief:  # One host writes the shared ledger.
             ledger.write_record(self.path, self._record, self.durable)
 
-    def _execution_steps(self, batch):
-        """Steps the execution that begins at `batch` runs (at most)."""
-        size = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
-        per_epoch = (self.params or {}).get("steps")
-        if per_epoch:
-            size = max(1, min(size, int(per_epoch) - batch))
-        return size
+    def _check_resumable(self, record, steps):
+        """Refuses a model that the plan a ledger keeps does not account
+        for: one with a fixed noise, or restored with more steps than the
+        ledger counts."""
+        plan = record.get("plan")
+        if plan is None:
+            return
+        cls = self._model_name()
+        arguments = f"**kdpemb.privacy.ledger.plan_arguments({self.path!r})"
+        if getattr(self.model, "target_epsilon", None) is None:
+            raise ValueError(
+                f"The privacy ledger {self.path} keeps the target-ε plan "
+                f"(target_epsilon={plan['target_epsilon']}, planned_steps="
+                f"{plan['planned_steps']}) of the run whose {record['steps']} "
+                f"steps it counts; this {cls} has a fixed noise_multiplier, "
+                "whose steps that plan does not bound. Resume the run as it "
+                f"was built (the same script, or {cls}(..., {arguments})); a "
+                "run with a fixed noise needs its own ledger path."
+            )
+        if steps > record["steps"]:
+            raise ValueError(
+                f"This {cls} was restored with {steps} private steps "
+                "(keras.callbacks.BackupAndRestore?), more than the "
+                f"{record['steps']} that the privacy ledger {self.path} counts "
+                "for the plan it keeps: the ledger counts every step of its "
+                "run before it runs, so the backup is not of that run (one left "
+                "by another run?) and its steps are not in the plan. Nothing "
+                "was trained. Resume with the backup directory of the run "
+                "this ledger counts, or start a new run with a new ledger path "
+                "and an empty backup directory."
+            )
+
+    def _within_plan(self, steps):
+        """`steps`, at most the planned steps of the plan written (a
+        kdpemb model counts no step past its plan), never below the steps
+        counted."""
+        plan = (self._record or {}).get("plan")
+        if plan is None:
+            return steps
+        return max(self._counted, min(steps, plan["planned_steps"]))
 
     def _checked_steps(self):
         steps = read_private_steps(self.model)

@@ -13,9 +13,12 @@ import pytest
 from kdpemb.callbacks import AtomicBackupAndRestore, PrivacyLedger
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models import DPModel, LastLayerDPClassifier
+from kdpemb.models._shared import plan_resume
+from kdpemb.models.fedemb import fedemb_multi_host
 from kdpemb.privacy import AdaptiveClipping, LossRelease, ledger, protocol
 from tests.models.test_fedemb import tiny_clients
 from tests.models.test_fedemb_target_epsilon import target_model
+from tests.models.test_fedemb_tree import epochs_schedule
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning"),
@@ -53,16 +56,35 @@ class Ran(keras.callbacks.Callback):
         self.steps += 1
 
 
+class Begun(keras.callbacks.Callback):
+    """Records, for each execution, the count the ledger wrote before it
+    and the model's count after it (its logged `private_steps`); placed
+    after the ledger."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.executions = path, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._written = ledger.read_ledger(self.path)["steps"]
+
+    def on_train_batch_end(self, batch, logs=None):
+        after = int(float(np.asarray(logs["private_steps"])))
+        self.executions.append((self._written, after))
+
+
 def paths(tmp_path):
     return str(tmp_path / "backup"), str(tmp_path / "ledger.json")
 
 
-def run(model, fit, tmp_path, kill_at=None):
-    """`fit(callbacks)` with the recipe's backup and ledger (killed as the
-    ledger counts `kill_at`); returns how many steps it ran."""
+def run(model, fit, tmp_path, kill_at=None, extra=()):
+    """`fit(callbacks)` with the recipe's backup and ledger (and `extra`
+    callbacks; killed as the ledger counts `kill_at`); returns how many
+    steps it ran (executions, with steps_per_execution > 1)."""
     backup, path = paths(tmp_path)
     ran = Ran()
-    callbacks = [AtomicBackupAndRestore(backup, save_freq=4), PrivacyLedger(path), ran]
+    callbacks = [AtomicBackupAndRestore(backup, save_freq=4), PrivacyLedger(path), ran,
+                 *extra]  # fmt: skip
     if kill_at is None:
         fit(callbacks)
     else:
@@ -77,20 +99,21 @@ def dp_data():
     return x, x.sum(axis=1)
 
 
-def dp_script(tmp_path, kill_at=None, epochs=EPOCHS, verbose=0, **changes):
+def dp_script(tmp_path, kill_at=None, epochs=EPOCHS, verbose=0, steps_per_execution=1,
+              extra=(), **changes):  # fmt: skip
     """The user's script: a DPModel with a target ε, fit over `epochs`;
     `changes` replace its arguments. Returns the model and steps run."""
     settings = {"target_epsilon": TARGET, "delta": DELTA, "clip_norm": 1.0, **changes}
     model = DPModel(keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)]),
                     **settings)  # fmt: skip
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
     x, y = dp_data()
 
     def fit(callbacks):
         model.fit(x, y, batch_size=B, epochs=epochs, verbose=verbose,
                   callbacks=callbacks)  # fmt: skip
 
-    return model, run(model, fit, tmp_path, kill_at)
+    return model, run(model, fit, tmp_path, kill_at, extra)
 
 
 def kept(tmp_path):
@@ -170,6 +193,68 @@ def test_a_rerun_with_another_argument_is_refused_before_any_step(
     assert kept(tmp_path) == before  # Nothing counted, the plan kept.
 
 
+# steps_per_execution = 3 over epochs of 8 steps: executions of 3, 3 and 2
+# steps; the ledger writes 3, 6, 9 (an epoch's last execution may run on
+# into the next epoch's data), 8 at the epoch's end, then 11, 14 and 16.
+@pytest.mark.parametrize("kill_at", [11, 14])
+def test_a_rerun_with_steps_per_execution_ends_at_the_plan_and_counts_within_it(
+    tmp_path, recwarn, kill_at
+):
+    dp_script(tmp_path, kill_at=kill_at, steps_per_execution=3)
+    assert kept(tmp_path)["steps"] == kill_at
+    begun = Begun(paths(tmp_path)[1])
+    resumed, _ = dp_script(tmp_path, steps_per_execution=3, extra=[begun])
+    # Every planned step is taken, though the rerun's executions of 3 reach
+    # past the plan (a step past it counts nothing, releases nothing) ...
+    assert protocol.read_private_steps(resumed) == PLANNED == kept(tmp_path)["steps"]
+    # ... and the ledger never counts one past it, nor fewer than began.
+    assert max(written for written, _ in begun.executions) == PLANNED
+    assert all(after <= written for written, after in begun.executions)
+    statement = ledger.ledger_statement(
+        paths(tmp_path)[1], resumed.privacy_mechanism(), DELTA
+    )
+    assert statement.steps == PLANNED and statement.epsilon <= TARGET
+    assert not [w for w in recwarn if "planned private" in str(w.message)]
+
+
+class StopAfterOne(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+
+def test_a_resumed_fit_that_ends_before_the_plan_says_so(tmp_path):
+    dp_script(tmp_path, kill_at=11)
+    with pytest.warns(UserWarning, match=r"ended with 12 of its 16 planned private "
+                      r"steps taken, 4 left.*Run the same script again"):  # fmt: skip
+        resumed, _ = dp_script(tmp_path, extra=[StopAfterOne()])
+    assert kept(tmp_path)["steps"] == protocol.read_private_steps(resumed) == 12
+
+
+def test_a_backup_ahead_of_the_ledger_is_refused_before_any_step(tmp_path):
+    # The ledger counts each step of its run before it runs: a backup with
+    # more steps is another run's (here the ledger is set back to 2, as if
+    # its backup directory held a longer run's backup).
+    dp_script(tmp_path, kill_at=11)
+    record = {**kept(tmp_path), "steps": 2}
+    ledger.write_record(paths(tmp_path)[1], record)
+    with pytest.raises(ValueError, match=r"restored with [3-9] private steps .*more "
+                       "than the 2 that the privacy ledger") as error:  # fmt: skip
+        dp_script(tmp_path)
+    assert "new ledger path and an empty backup directory" in str(error.value)
+    assert kept(tmp_path) == record  # Nothing counted, nothing trained.
+
+
+def test_a_fixed_noise_model_is_refused_on_a_ledger_that_keeps_a_plan(tmp_path):
+    killed, _ = dp_script(tmp_path, kill_at=5)
+    before = kept(tmp_path)
+    # The plan's own z: the ledger's mechanism check alone would pass it.
+    z = killed.noise_multiplier
+    with pytest.raises(ValueError, match=r"keeps the target-ε plan.*has a fixed "
+                       r"noise_multiplier.*plan_arguments"):  # fmt: skip
+        dp_script(tmp_path, target_epsilon=None, noise_multiplier=z)
+    assert kept(tmp_path) == before
+
+
 def test_a_refused_rerun_takes_no_step_and_keeps_no_plan(tmp_path):
     dp_script(tmp_path, kill_at=5)
     model = DPModel(keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)]),
@@ -212,27 +297,43 @@ def test_plan_arguments_rebuild_the_model_of_a_ledger(tmp_path):
                   callbacks=[PrivacyLedger(paths(tmp_path)[1])])  # fmt: skip
 
 
-def test_a_killed_last_layer_dp_sgd_run_resumes_to_its_plan(tmp_path):
+# With steps_per_execution = 3 and steps_per_epoch = 8, TensorFlow runs
+# executions of 3 on into the next epoch's data (9, then 7 steps: the
+# ledger writes 3, 6, 9, 12, 15), JAX cuts them at the epoch's end (3, 6,
+# 9, 11, 14). Killed at the last before 16, the rerun's first execution
+# reaches past the plan.
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_killed_last_layer_dp_sgd_run_resumes_to_its_plan(
+    tmp_path, steps_per_execution
+):
+    kill_at = 11 if steps_per_execution == 1 else 15
+    if steps_per_execution > 1 and keras.backend.backend() == "jax":
+        kill_at = 14
     rng = np.random.default_rng(0)
     features = rng.normal(size=(N, 4)).astype("float32")
     labels = (features[:, 0] > 0).astype("int32")
+    begun = Begun(paths(tmp_path)[1])
 
     def script(kill_at=None):
         model = LastLayerDPClassifier(2, method="dp-sgd", target_epsilon=TARGET,
                                       delta=DELTA)  # fmt: skip
+        model.compile(steps_per_execution=steps_per_execution)
 
         def fit(callbacks):
             model.fit(features, labels, batch_size=B, epochs=EPOCHS, verbose=0,
                       callbacks=callbacks)  # fmt: skip
 
-        return model, run(model, fit, tmp_path, kill_at)
+        return model, run(model, fit, tmp_path, kill_at, [begun])
 
-    killed, _ = script(kill_at=11)
+    killed, _ = script(kill_at=kill_at)
     resumed, ran = script()
     assert resumed.noise_multiplier == killed.noise_multiplier
-    assert ran == PLANNED - 11 and protocol.read_private_steps(resumed) == PLANNED
+    assert protocol.read_private_steps(resumed) == PLANNED
+    assert ran == -((kill_at - PLANNED) // steps_per_execution)  # Executions.
     assert kept(tmp_path)["steps"] == PLANNED
     assert resumed.privacy_statement().epsilon <= TARGET
+    # Each execution's steps were counted before it ran, none past the plan.
+    assert all(after <= written <= PLANNED for written, after in begun.executions)
 
 
 def test_a_killed_fedemb_run_resumes_to_its_plan(tmp_path):
@@ -251,6 +352,23 @@ def test_a_killed_fedemb_run_resumes_to_its_plan(tmp_path):
     assert resumed.noise_multiplier == killed.noise_multiplier
     assert ran == 1 and protocol.read_private_steps(resumed) == 6
     assert kept(tmp_path)["steps"] == 6
+    # The killed run calibrated the same plan that its rerun adopted: hosts
+    # compare where their plan came from too, so a host that could not see
+    # the ledger (and calibrated alone) is refused with the others.
+    assert plan_resume.model_plan(killed) == plan_resume.model_plan(resumed)
+    digest = fedemb_multi_host.settings_digest
+    assert digest(killed) != digest(resumed)
+
+
+def test_a_fedemb_epochs_resume_is_never_raised_past_the_plan():
+    # Rounds without sampling resume at the next whole epoch of R = 3
+    # rounds, but never past a plan of 7 (no round is taken past it).
+    schedule = epochs_schedule(rounds_per_epoch=3)
+    model = target_model(schedule=schedule, planned_steps=7,
+                         calibrated_noise_multiplier=3.0)  # fmt: skip
+    assert [model.ledger_resume_steps(c) for c in (4, 6, 7)] == [6, 6, 7]
+    fixed = target_model(schedule=schedule, target_epsilon=None, noise_multiplier=3.0)
+    assert fixed.ledger_resume_steps(7) == 9
 
 
 def test_the_ledger_refuses_a_broken_plan_and_states_a_missing_one(tmp_path):

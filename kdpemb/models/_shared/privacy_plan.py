@@ -36,12 +36,14 @@ ValueError: Pass exactly one of noise_multiplier and target_epsilon (with delta)
 
 import functools
 import inspect
+import warnings
 
 import keras
 
 from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.callbacks.count_progbar import with_count_progbar
+from kdpemb.callbacks.privacy_ledger import executed_steps
 from kdpemb.errors import PrivacyBudgetExhaustedError
 from kdpemb.models._shared import frozen_settings, plan_resume
 from kdpemb.privacy import protocol
@@ -435,9 +437,13 @@ class PlanGuard(keras.callbacks.Callback):
     backup's, raised to the ledger's count by
     `kdpemb.callbacks.PrivacyLedger`) resumes that run: it counts what
     ran, not what Keras replays (Keras reruns the killed epoch from its
-    start), so it trains until the plan's steps are taken and stops there
-    (with `steps_per_execution` = k, before an execution that would go
-    past them), and is refused only when none is left.
+    start), so it trains until the plan's steps are taken and stops there,
+    and is refused only when none is left. With `steps_per_execution` = k
+    it stops after the execution that reaches the plan's end: the model's
+    step counts no step and releases nothing past its plan (as the first
+    execution of a resumed fit, run whole, may reach). A resumed fit that
+    ends before the plan's end (its data or epochs ran out) says so in a
+    `UserWarning`.
 
     Args:
         steps_of: callable `initial_epoch -> most rounds of the fit`.
@@ -514,11 +520,24 @@ class PlanGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.stop_at is None:
             return
-        # Keras reports the first and last step of each execution.
-        self._steps += batch - self._batch_begin + 1
-        size = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
-        if self._steps + size > self.stop_at:
+        self._steps += executed_steps(self.params, self._batch_begin, batch)
+        if self._steps >= self.stop_at:
             self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.stop_at is None:
+            return
+        taken = protocol.read_private_steps(self.model)  # Synced at epoch end.
+        if taken < self.stop_at:
+            warnings.warn(
+                f"{type(self.model).__name__}: this fit resumed a run and ended "
+                f"with {taken} of its {self.stop_at} planned private "
+                f"{self.noun} taken, {self.stop_at - taken} left (its data or "
+                "epochs ran out first, or a callback stopped it). Run the same "
+                "script again to take them: it resumes the plan.",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def guard_epochs(model, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated):

@@ -334,7 +334,9 @@ class FedEmbModel(RestoresOptimizer, FrozenSettings, keras.Model):
         whole epochs, in each of which a user takes part once; the killed
         epoch's rounds released part of one, and the resumed run starts a
         new one (a user takes part again), so the killed epoch counts as a
-        whole one. Never fewer rounds than `counted`."""
+        whole one. Never fewer rounds than `counted`, and with a
+        `target_epsilon` never more than the plan's `planned_steps` (no
+        round is taken past them)."""
         return fedemb_privacy.ledger_resume_steps(self, counted)
 
     def simulated_deployment(

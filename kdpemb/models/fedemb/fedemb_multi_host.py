@@ -35,6 +35,7 @@ import numpy as np
 
 from kdpemb import distribute
 from kdpemb.errors import HostsDisagreeError
+from kdpemb.models._shared import plan_resume
 from kdpemb.privacy import ledger, protocol
 
 
@@ -166,7 +167,10 @@ def variables_digest(model):
 def settings_digest(model):
     """What the model releases and how it is accounted, to compare across
     hosts: its mechanism's parameters and its configuration (without the
-    backbone, compared by `variables_digest`, and Keras' generated name)."""
+    backbone, compared by `variables_digest`, and Keras' generated name),
+    and its target-ε plan with whether it was adopted from a
+    `PrivacyLedger` (a rerun's plan is read on every host: one that could
+    not see the ledger calibrated alone, and is refused with the others)."""
     config = model.get_config()
     for key in ("backbone", "name", "trainable", "dtype"):
         config.pop(key, None)
@@ -177,6 +181,8 @@ def settings_digest(model):
         model.noise_multiplier,
         model.seed is None,
         model.tree_estimator,
+        plan_resume.from_ledger(model),
+        plan_resume.model_plan(model),
     )
     return json.dumps(settings, sort_keys=True, default=repr)
 

@@ -154,7 +154,11 @@ def ledger_resume_steps(model, counted):
     if schedule.sampling != "epochs":
         return counted
     rounds = schedule.steps_per_epoch
-    return -(-counted // rounds) * rounds
+    whole = -(-counted // rounds) * rounds
+    if model.target_epsilon is not None and model.planned_steps is not None:
+        # No round is taken past the plan: its end is the run's end.
+        whole = min(whole, max(counted, model.planned_steps))
+    return whole
 
 
 def simulated_deployment(

@@ -84,7 +84,9 @@ class DPSGDHead:
     One step: the softmax residuals of the batch, the clipped sum of the
     per-example gradients, N(0, (z C)²) noise once on the `[d + 1, K]`
     sum, division by the expected batch size, `l2 · W` on the kernel, and
-    the model's optimizer. Counts the step in `model.private_steps`.
+    the model's optimizer. Counts the step in `model.private_steps` (with a
+    `target_epsilon`, a step past the plan counts nothing and moves nothing
+    but the optimizer's momentum).
 
     Example:
 
@@ -142,6 +144,15 @@ class DPSGDHead:
         total = clipped.total[0] + noise
         l2 = model.l2 or 0.0
         grads = [total[:-1] / denominator + l2 * kernel, total[-1] / denominator]
+        within = None
+        if model.target_epsilon is not None:
+            # Past the plan (an execution of steps_per_execution steps that
+            # reaches past it, as a resumed fit's first may): release
+            # nothing computed from the data, count nothing.
+            within = ops.less(model.private_steps.value, model.planned_steps)
+            grads = [ops.where(within, g, ops.zeros_like(g)) for g in grads]
         model.optimizer.apply(grads, [kernel, bias])
-        model.private_steps.assign_add(1)
+        model.private_steps.assign_add(
+            1 if within is None else ops.cast(within, "int32")
+        )
         return {"private_steps": model.private_steps.value}
