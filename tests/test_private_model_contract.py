@@ -110,13 +110,19 @@ def dp_model_case(**settings):
         model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
         return model
 
+    # At user level: 15 users of 4 examples, 5 expected users a step.
+    unit = settings.get("unit", "example")
+    by_user = {"users": np.arange(60) % 15} if unit == "user" else {}
+    batch_size = 5 if by_user else 20
+
     def fit(model, epochs, callbacks):
         return model.fit(
-            x, y, batch_size=20, epochs=epochs, callbacks=callbacks, verbose=0
-        )
+            x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
+            verbose=0, **by_user,
+        )  # fmt: skip
 
     name = "_".join(["dp_model", *settings][:2])
-    return ContractCase(name, build, fit, 3, "example", 1e-3)
+    return ContractCase(name, build, fit, 3, unit, 1e-3)
 
 
 def _adaptive_clipping():
@@ -142,6 +148,9 @@ CASES = {
     # The contract's fits take 2 + 1 epochs of 3 steps: plan 9 steps.
     "dp_model_target_epsilon": lambda: dp_model_case(
         target_epsilon=2.0, delta=1e-3, planned_steps=9
+    ),
+    "dp_model_user": lambda: dp_model_case(
+        unit="user", examples_per_user=3, noise_multiplier=1.0
     ),
     **{
         f"last_layer_{method}": (lambda m=method: last_layer_case(m))

@@ -2,7 +2,9 @@
 
 `VirtualClients` groups users into virtual clients, samples them per round
 and yields fixed-shape rounds for `model.fit`; `PoissonBatches` and
-`PoissonIndices` sample examples for example-level DP-SGD. See `docs/data.md`.
+`PoissonIndices` sample examples for example-level DP-SGD, `UserBatches`
+and `UserIndices` users (at most k examples each) for user-level DP-SGD.
+See `docs/data.md`.
 
 Example:
 
@@ -13,6 +15,13 @@ Example:
 """
 
 from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices
+from kdpemb.data.user_batches import UserBatches, UserIndices
 from kdpemb.data.virtual_clients import VirtualClients
 
-__all__ = ["PoissonBatches", "PoissonIndices", "VirtualClients"]
+__all__ = [
+    "PoissonBatches",
+    "PoissonIndices",
+    "UserBatches",
+    "UserIndices",
+    "VirtualClients",
+]

@@ -214,6 +214,20 @@ class Mechanism(abc.ABC):
         return params
 
 
+def _check_examples_per_user(value, unit, users_per_client):
+    """None, or a cap k >= 1 of a mechanism on single users."""
+    if value is None:
+        return
+    validation.check_positive_int(value, "examples_per_user", "It is k (e.g. 4).")
+    if unit != "user" or users_per_client != 1:
+        raise ValueError(
+            f"examples_per_user={value} caps the examples of one sampled user "
+            f"(user-level DP-SGD): it needs unit='user' with users_per_client=1, "
+            f"got unit={unit!r}, users_per_client={users_per_client}. Use "
+            "Schedule.users(...), or leave examples_per_user out."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class SampledGaussian(Mechanism):
     """Clipped sum of a sample of units plus Gaussian noise, once per step.
@@ -257,6 +271,11 @@ class SampledGaussian(Mechanism):
         clip_norm: float or None. C, for the statement only.
         setup: tuple of `GaussianRelease`. One-off releases before step 1
             (e.g. the feature covariance of DP-FC).
+        examples_per_user: int or None. k, with unit "user" and one user
+            per sampled unit: each step averages at most k of a sampled
+            user's examples into the user's one clipped contribution
+            (user-level DP-SGD). A public cap, for the statement only: the
+            accounting does not depend on it.
 
     Example:
 
@@ -275,6 +294,7 @@ class SampledGaussian(Mechanism):
     users_per_client: int = 1
     clip_norm: float | None = None
     setup: tuple = ()
+    examples_per_user: int | None = None
 
     def __post_init__(self):
         validation.check_noise_multiplier(self.noise_multiplier)
@@ -321,10 +341,20 @@ class SampledGaussian(Mechanism):
         object.__setattr__(
             self, "setup", gaussian_release.check_releases(self.setup, "setup")
         )
+        _check_examples_per_user(
+            self.examples_per_user, self.unit, self.users_per_client
+        )
 
     @property
     def sampling_probability(self):
         return self.sample_size / self.pool_size
+
+    def parameters(self):
+        """`examples_per_user` only when set: older ledgers still match."""
+        params = super().parameters()
+        if params["examples_per_user"] is None:
+            del params["examples_per_user"]
+        return params
 
     @property
     def neighboring_relation(self):
@@ -370,10 +400,18 @@ class SampledGaussian(Mechanism):
                 "one virtual client's clipped update, accounted as replace-one "
                 "on virtual clients (the sum moves by up to 2C)"
             )
+        if self.examples_per_user is not None:
+            return (
+                f"{super().describe_relation()} (each step averages at most "
+                f"{self.examples_per_user} of the user's examples into one "
+                "contribution clipped to C)"
+            )
         return super().describe_relation()
 
     def describe_sampling(self):
         what = "virtual client" if self.unit == "user" else "example"
+        if self.examples_per_user is not None:
+            what = "user"
         if self.sampling == "full_batch":
             return f"full batch: every {what} in every step"
         if self.sampling == "fixed":

@@ -99,8 +99,9 @@ class Schedule(ConfigDataclass):
     """Population, pool, expected sample, sampling and steps per round.
 
     Frozen and validated when created. Build it with `Schedule.examples`
-    (example-level DP-SGD) or `Schedule.virtual_clients` (user-level
-    DP-FedEmb and DP-FedAvg), or take it from `VirtualClients.schedule`.
+    (example-level DP-SGD), `Schedule.users` (user-level DP-SGD) or
+    `Schedule.virtual_clients` (user-level DP-FedEmb and DP-FedAvg), or
+    take it from `VirtualClients.schedule`.
 
     Args:
         population: int. Privacy units in the private data: examples, or
@@ -128,6 +129,10 @@ class Schedule(ConfigDataclass):
         steps_per_epoch: int or None. For `sampling="epochs"` only: the
             public number of steps in an epoch (`sample_size` is then
             `pool_size / steps_per_epoch` units per step on average).
+        examples_per_user: int or None. k, for user-level DP-SGD
+            (`Schedule.users`): each step averages at most k of a sampled
+            user's examples into one clipped contribution. A public cap,
+            stated with the guarantee; the accounting does not depend on it.
 
     Example:
 
@@ -150,6 +155,7 @@ class Schedule(ConfigDataclass):
     num_clients: int | None = None
     local_steps: int = 1
     steps_per_epoch: int | None = None
+    examples_per_user: int | None = None
 
     def __post_init__(self):
         validation.check_positive_int(self.population, "population")
@@ -185,6 +191,11 @@ class Schedule(ConfigDataclass):
                     f"clients of users_per_client={self.users_per_client} make "
                     f"{fewest} to {self.population} clients."
                 )
+        if self.examples_per_user is not None and self.sampling == "epochs":
+            raise ValueError(
+                f"examples_per_user={self.examples_per_user!r} is for user-level "
+                "DP-SGD with sampled users (Schedule.users), not sampling='epochs'."
+            )
         self.privacy_mechanism(0.0)  # Validates the rest, once, in one place.
 
     # Builders ---------------------------------------------------------
@@ -211,6 +222,52 @@ class Schedule(ConfigDataclass):
             return cls(num_examples, num_examples, "full_batch")
         validation.check_sample_size(batch_size, num_examples, "batch_size", sampling)
         return cls(num_examples, batch_size, sampling)
+
+    @classmethod
+    def users(
+        cls,
+        num_users,
+        users_per_step=None,
+        *,
+        sampling="poisson",
+        examples_per_user=None,
+    ):
+        """User-level DP-SGD: `users_per_step` users per step, each of them
+        one contribution (their mean over at most `examples_per_user` of
+        their examples, clipped); the privacy unit is the user.
+
+        Args:
+            num_users: int. U, the distinct users in the data.
+            users_per_step: float or None. Expected users per step B_u
+                (q = B_u / U); None: every user in every step.
+            sampling: str. "poisson" (default) or "fixed" (exactly
+                `users_per_step` users).
+            examples_per_user: int or None. k, the public cap on a user's
+                examples per step, for the statement.
+
+        Example:
+
+        >>> schedule = Schedule.users(10_000, 100, examples_per_user=4)
+        >>> schedule.unit, schedule.pool_size, schedule.sampling_probability
+        ('user', 10000, 0.01)
+        >>> Schedule.users(500).sampling
+        'full_batch'
+        """
+        num_users = validation.check_positive_int(num_users, "num_users")
+        if users_per_step is None or sampling == "full_batch":
+            users_per_step, sampling = num_users, "full_batch"
+        else:
+            validation.check_choice(sampling, ("poisson", "fixed"), "sampling")
+            validation.check_sample_size(
+                users_per_step, num_users, "users_per_step", sampling
+            )
+        return cls(
+            population=num_users,
+            sample_size=users_per_step,
+            sampling=sampling,
+            unit="user",
+            examples_per_user=examples_per_user,
+        )
 
     @classmethod
     def virtual_clients(
@@ -369,6 +426,7 @@ class Schedule(ConfigDataclass):
             users_per_client=self.users_per_client,
             clip_norm=clip_norm,
             setup=setup,
+            examples_per_user=self.examples_per_user,
         )
 
     def describe(self):
@@ -386,6 +444,8 @@ class Schedule(ConfigDataclass):
             else ""
         )
         steps = f"; {self.local_steps} local steps" if self.local_steps > 1 else ""
+        if self.examples_per_user is not None:
+            steps += f"; at most {self.examples_per_user} examples per user per step"
         return (
             f"{self.population} {self.unit}s{group}; "
             f"{mechanism.describe_sampling()}{steps}"

@@ -20,6 +20,14 @@ ways, chosen once by `plan_gradients`:
 Every layer must treat the examples of a batch independently (no
 BatchNormalization in training, which `check_backbone` refuses).
 
+With `examples_per_user=k` (user-level DP) a batch is S user slots of k
+rows each, a user's real rows first, then padding (`mask` false); each
+contribution is one user's gradient, the mean over its n_u <= k real rows
+of their per-example gradients, clipped to C. In "layers" mode the loss
+weights each real row by 1 / n_u, and each layer's rows regroup into one
+contribution per slot (`ghost_norms.ghost_squared_norms(group_size=k)`);
+in "whole_model" mode a per-user map takes each slot's gradient.
+
 Example:
 
 >>> import keras, numpy as np
@@ -33,6 +41,7 @@ import dataclasses
 import logging
 from typing import NamedTuple
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -350,6 +359,51 @@ def _is_seed_state(variable):
     return variable.path.endswith("seed_generator_state")
 
 
+# -- the slot layout of user-level batches (S slots of k rows) -------------
+
+
+def _slots(tensor, k):
+    """`[S·k, ...]` as `[S, k, ...]`."""
+    shape = ops.shape(tensor)
+    return ops.reshape(tensor, (-1, k, *shape[1:]))
+
+
+def _user_mask(mask, k):
+    """`[S]`: a slot is a user iff any of its rows is real."""
+    return ops.any(_slots(ops.cast(mask, "bool"), k), axis=1)
+
+
+def _row_weights(mask, k):
+    """`[S·k]`: 1 / n_u on each real row of a slot with n_u real rows, 0 on
+    padding rows: the loss weights that make a slot's gradient its user's
+    mean gradient."""
+    mask = ops.cast(mask, "bool")
+    counts = ops.sum(ops.cast(_slots(mask, k), "float32"), axis=1)
+    weights = ops.repeat(1.0 / ops.maximum(counts, 1.0), k, axis=0)
+    return ops.where(mask, weights, 0.0)
+
+
+def _real_rows(tensor, mask):
+    """`tensor` with its padding rows (mask false) zeroed, NaN included."""
+    keep = _along_rows(ops.cast(mask, "bool"), tensor)
+    return ops.where(keep, tensor, ops.zeros_like(tensor))
+
+
+def _slot_sums(rows, mask, k):
+    """Per-slot sums `[S, ...]` of per-row `[S·k, ...]` values; padding
+    rows add exactly 0."""
+    return ops.sum(_slots(_real_rows(ops.cast(rows, "float32"), mask), k), axis=1)
+
+
+def _own_rows(tensor, mask, k):
+    """`[S, k, ...]`, each padding row replaced by its slot's first row
+    (real in a user's slot): whatever a padding row held, it then computes
+    only on its own user's data, and finite where that user's rows are."""
+    slots = _slots(tensor, k)
+    keep = ops.reshape(ops.cast(mask, "bool"), (-1, k) + (1,) * (len(slots.shape) - 2))
+    return ops.where(keep, slots, slots[:, :1])
+
+
 class ClippedGradients:
     """Computes `ClippedSum`s of a model's per-example gradients.
 
@@ -359,10 +413,26 @@ class ClippedGradients:
         loss_fn: `(y_true, y_pred) -> per-example losses`.
         clip_norms: list of floats: one (flat clipping) or one per group of
             the plan (per-layer clipping).
+        examples_per_user: None (default: one contribution per example)
+            or int k >= 1: batches in the slot layout of the module
+            docstring, one contribution per user (its mean gradient).
     """
 
-    def __init__(self, model, plan, loss_fn, clip_norms):
+    def __init__(self, model, plan, loss_fn, clip_norms, examples_per_user=None):
         self.model, self.plan, self.loss_fn = model, plan, loss_fn
+        if examples_per_user is not None and (
+            isinstance(examples_per_user, bool)
+            or not isinstance(examples_per_user, (int, np.integer))
+            or examples_per_user < 1
+        ):
+            raise ValueError(
+                f"examples_per_user must be None or an int >= 1, got "
+                f"{examples_per_user!r}: the most examples of one user in a "
+                "step (each user's slot of rows in a batch)."
+            )
+        self.examples_per_user = (
+            None if examples_per_user is None else int(examples_per_user)
+        )
         self.clip_norms = list(clip_norms)
         if len(self.clip_norms) not in (1, plan.num_groups):
             raise ValueError(
@@ -399,6 +469,7 @@ class ClippedGradients:
         would update from the batch is dropped.
         """
         backend = backends.current()
+        self._check_slots(x)
         if self.plan.mode == "layers":
             clipped, new_fixed = self._by_layer(
                 backend, params, non_trainable, x, y, mask
@@ -411,6 +482,37 @@ class ClippedGradients:
         for index in self.seed_states:
             kept[index] = new_fixed[index]
         return clipped, kept
+
+    def _check_slots(self, x):
+        """A user-level batch must be whole slots of k rows."""
+        k = self.examples_per_user
+        if k is None:
+            return
+        rows = keras.tree.flatten(x)[0].shape[0]
+        if rows is not None and int(rows) % k:
+            raise ValueError(
+                f"A user-level batch holds whole slots of examples_per_user={k} "
+                f"rows, got {rows} rows: build batches with the user sampler "
+                f"(DPModel.fit(..., users=...)), or pass a multiple of {k} rows."
+            )
+
+    def per_user_norms(self, params, non_trainable, x, y, mask):
+        """Each slot's user gradient norm (the mean over its real rows of
+        their gradients), `[S]`, unclipped: 0 for a slot of padding only.
+        Needs `examples_per_user`; for tests and diagnostics."""
+        k = self.examples_per_user
+        if k is None:
+            raise ValueError(
+                "per_user_norms needs ClippedGradients(..., examples_per_user=k); "
+                "use per_example_norms at example level."
+            )
+        self._check_slots(x)
+        backend = backends.current()
+        if self.plan.mode == "layers":
+            taps = self._taps(backend, params, non_trainable, x, y, mask, k)
+            return ops.sqrt(sum(taps.squared[1:], taps.squared[0]))
+        grads = self._per_user_gradients(backend, params, non_trainable, x, y, mask)
+        return ops.where(_user_mask(mask, k), gaussian_sum.global_norms(grads), 0.0)
 
     # -- by layer --------------------------------------------------------
 
@@ -425,13 +527,18 @@ class ClippedGradients:
         grads = self._per_example_gradients(backend, params, non_trainable, x, y)
         return gaussian_sum.global_norms(grads)
 
-    def _taps(self, backend, params, non_trainable, x, y, mask):
+    def _taps(self, backend, params, non_trainable, x, y, mask, group_size=None):
         """One forward and backward pass (`_Taps`): the tapped calls, the
         gradients of their outputs, each layer's per-example squared norms
         (and, for "vectorized" layers, the per-example gradients they come
-        from), `value_of` and the new non-trainable values."""
+        from), `value_of` and the new non-trainable values.
+
+        With `group_size` k (user level) each real row's loss is weighted
+        by 1 / n_u, padding rows' inputs and output gradients are zeroed,
+        and the norms (and "vectorized" gradients) are per slot, `[S]`."""
         model, owners = self.model, self.plan.owners
         mask = ops.cast(mask, "bool")
+        weights = None if group_size is None else _row_weights(mask, group_size)
         records = {}
 
         def run(values, probes):
@@ -440,6 +547,8 @@ class ClippedGradients:
                     values, non_trainable, x, **_training(model)
                 )
             losses = per_example_losses(self.loss_fn, y, y_pred)
+            if weights is not None:
+                losses = losses * weights
             records["calls"] = calls
             outputs = [c.output for c in calls]
             inputs = [c.inputs for c in calls]
@@ -467,21 +576,40 @@ class ClippedGradients:
         def value_of(variable):
             return values.get(id(variable), variable.value)
 
+        if group_size is not None:  # A NaN in a padding row then adds 0.
+            calls = [c._replace(inputs=_real_rows(c.inputs, mask)) for c in calls]
+            grads = [_real_rows(g, mask) for g in grads]
         squared, per_example = [], []
         for call, g, method in zip(calls, grads, self.plan.methods, strict=True):
             if method == "ghost":
-                squared.append(ghost_norms.ghost_squared_norms(call, g, value_of))
+                squared.append(
+                    ghost_norms.ghost_squared_norms(call, g, value_of, group_size or 1)
+                )
                 per_example.append(None)
             else:
                 rows = ghost_norms.vectorized_gradients(call, g, value_of, backend)
+                if group_size is not None:  # Each user's gradient.
+                    rows = [_slot_sums(r, mask, group_size) for r in rows]
                 squared.append(ops.square(gaussian_sum.global_norms(rows)))
                 per_example.append(rows)
         return _Taps(calls, grads, squared, per_example, value_of, new_fixed)
 
     def _by_layer(self, backend, params, non_trainable, x, y, mask):
-        model = self.model
-        taps = self._taps(backend, params, non_trainable, x, y, mask)
+        model, k = self.model, self.examples_per_user
+        taps = self._taps(backend, params, non_trainable, x, y, mask, k)
         calls, grads, squared = taps.calls, taps.grads, taps.squared
+
+        real = None if k is None else ops.cast(mask, "bool")
+
+        def to_rows(factors):
+            """A contribution's factor on each of its rows (a user's on
+            its real rows; its output gradients already carry 1 / n_u)."""
+            if k is None:
+                return factors
+            return ops.where(real, ops.repeat(factors, k, axis=0), 0.0)
+
+        if k is not None:
+            mask = _user_mask(mask, k)
 
         def layer_sums(factors_of_call):
             total = [None] * len(params)
@@ -491,7 +619,7 @@ class ClippedGradients:
             ):
                 if rows is None:
                     sums = _weighted_layer_gradient(
-                        call, g, factors, taps.value_of, backend
+                        call, g, to_rows(factors), taps.value_of, backend
                     )
                 else:  # The very gradients whose norms gave the factors.
                     sums = [_weighted_rows(r, factors) for r in rows]
@@ -539,9 +667,36 @@ class ClippedGradients:
 
         return backend.per_example_map(one, x, y)
 
+    def _per_user_gradients(self, backend, params, non_trainable, x, y, mask):
+        """Each slot's gradient of Σ_j w_j loss_j over its k rows (w_j = 1 / n_u
+        on real rows, 0 on padding rows, which hold copies of the slot's
+        first row): its user's mean gradient, `[S, ...]` per variable."""
+        model, k = self.model, self.examples_per_user
+        mask = ops.cast(mask, "bool")
+        weights = _slots(_row_weights(mask, k), k)
+        x = keras.tree.map_structure(lambda t: _own_rows(t, mask, k), x)
+        y = keras.tree.map_structure(lambda t: _own_rows(t, mask, k), y)
+
+        def one(x_u, y_u, w_u, m_u):
+            def loss(values):
+                y_pred, _ = model.stateless_call(
+                    values, non_trainable, x_u, **_training(model)
+                )
+                losses = per_example_losses(self.loss_fn, y_u, y_pred)
+                return ops.sum(ops.where(m_u, losses * w_u, 0.0))
+
+            _, grads = backend.value_and_grad(loss)(params)
+            return [ops.cast(g, "float32") for g in grads]
+
+        return backend.per_example_map(one, x, y, weights, _slots(mask, k))
+
     def _whole_model(self, backend, params, non_trainable, x, y, mask):
-        model = self.model
-        grads = self._per_example_gradients(backend, params, non_trainable, x, y)
+        model, k = self.model, self.examples_per_user
+        if k is None:
+            grads = self._per_example_gradients(backend, params, non_trainable, x, y)
+        else:
+            grads = self._per_user_gradients(backend, params, non_trainable, x, y, mask)
+            mask = _user_mask(mask, k)
         if len(self.clip_norms) == 1:
             clipped = gaussian_sum.clip_and_sum(grads, self.clip_norms[0], mask)
         else:

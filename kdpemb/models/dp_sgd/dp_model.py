@@ -1,4 +1,4 @@
-"""`DPModel`: example-level DP-SGD for any Keras model, with any optimizer.
+"""`DPModel`: example- or user-level DP-SGD for any Keras model and optimizer.
 
 `DPModel(network, ...)` wraps a Keras model (Sequential, functional or
 subclassed); its `fit` is DP-SGD: Poisson-sampled logical batches of
@@ -9,7 +9,10 @@ whose clipped gradients are summed), each example's gradient clipped to
 to the sum, division by B, and the compiled optimizer (SGD, Adam, LAMB, …).
 It implements kdpemb's privacy protocol, so `PrivacyBudget`,
 `privacy_statement()` and calibration from a `target_epsilon` work as for
-the other models. Training logs only `private_steps`: a loss on the
+the other models. With `unit="user"` it samples users, not examples, and
+clips each user's mean gradient over at most `examples_per_user` of their
+examples (`kdpemb.models.dp_sgd.user_level`): ε per user. Training logs
+only `private_steps`: a loss on the
 private batch would be a release without noise. Opt in to a noised loss
 and to adaptive clipping, each accounted with the gradient
 (`kdpemb.models.dp_sgd.step_releases`).
@@ -27,7 +30,12 @@ from kdpemb.models import backbone_checks
 from kdpemb.models._shared import backends, device_checks, privacy_plan, private_state
 from kdpemb.models._shared.frozen_settings import FrozenSettings
 from kdpemb.models._shared.layer_taps import all_layers
-from kdpemb.models.dp_sgd import label_shapes, step_releases
+from kdpemb.models.dp_sgd import (
+    gradient_accumulation,
+    label_shapes,
+    step_releases,
+    user_level,
+)
 from kdpemb.models.dp_sgd.clipped_gradients import (
     MODES,
     ClippedGradients,
@@ -42,7 +50,7 @@ __all__ = ["DPModel"]
 
 @keras.saving.register_keras_serializable(package="kdpemb")
 class DPModel(FrozenSettings, keras.Model):
-    """A Keras model trained with example-level DP-SGD.
+    """A Keras model trained with example-level or user-level DP-SGD.
 
     Args:
         network: the `keras.Model` to train. Every layer must treat the
@@ -75,6 +83,13 @@ class DPModel(FrozenSettings, keras.Model):
             layers, or of the whole model if it cannot be split by layer),
             "ghost" (refuse a layer without a ghost norm) or "vectorized"
             (whole-model per-example gradients).
+        unit: "example" (default: the guarantee protects one example) or
+            "user" (all of one person's examples: `fit(..., users=ids)`
+            samples users, and each sampled user's gradient, the mean over
+            at most `examples_per_user` of their examples chosen at random
+            each step, is clipped to C as one contribution).
+        examples_per_user: int. k, with `unit="user"` only: the public cap
+            on one user's examples in a step.
         seed: int or None. None draws the sampling and the noise from OS
             entropy; an int makes them predictable (tests only; warns).
         noised_loss, adaptive_clipping: None (default), or a
@@ -88,7 +103,11 @@ class DPModel(FrozenSettings, keras.Model):
     `fit(x, y, batch_size=None, epochs=1)`: `batch_size` is the expected
     logical batch B (None: all N examples in every step); an epoch is
     `round(N / B)` steps. `x` and `y` are arrays (or anything indexable by
-    an integer array) with one row per example.
+    an integer array) with one row per example. With `unit="user"`,
+    `fit(x, y, users=ids, batch_size=B_u)`: `users` holds one id per
+    example, `batch_size` is the expected number of users per step (q =
+    B_u / U over the U distinct ids), an epoch `round(U / B_u)` steps, and
+    the statement's ε is per user.
 
     Example:
 
@@ -123,6 +142,8 @@ class DPModel(FrozenSettings, keras.Model):
             "calibrated_noise_multiplier",
             "noised_loss",
             "adaptive_clipping",
+            "unit",
+            "examples_per_user",
         }
     )
 
@@ -144,6 +165,8 @@ class DPModel(FrozenSettings, keras.Model):
         calibrated_noise_multiplier=None,
         noised_loss=None,
         adaptive_clipping=None,
+        unit="example",
+        examples_per_user=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -169,6 +192,9 @@ class DPModel(FrozenSettings, keras.Model):
                 physical_batch_size, "physical_batch_size"
             )
         self.physical_batch_size = physical_batch_size
+        self.unit, self.examples_per_user = user_level.check_unit(
+            unit, examples_per_user, physical_batch_size
+        )
         if not isinstance(sampling, str) or sampling not in SAMPLINGS:
             raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}.")
         self.sampling = sampling
@@ -186,9 +212,10 @@ class DPModel(FrozenSettings, keras.Model):
         self.schedule = (
             None if schedule is None else privacy.Schedule.from_config(schedule)
         )
-        if self.schedule is not None and self.schedule.unit != "example":
+        if self.schedule is not None and self.schedule.unit != self.unit:
             raise ValueError(
-                f"DPModel protects examples; got the schedule {self.schedule}."
+                f"This DPModel protects each {self.unit}; got the schedule "
+                f"{self.schedule}."
             )
         self.private_steps = private_state.add_private_steps(self)
         step_releases.configure(self, noised_loss, adaptive_clipping, seed)
@@ -271,9 +298,11 @@ class DPModel(FrozenSettings, keras.Model):
         callbacks=None,
         validation_data=None,
         initial_epoch=0,
+        users=None,
         **kwargs,
     ):
-        """DP-SGD on `x`, `y` (finite arrays, one row each); see the class."""
+        """DP-SGD on `x`, `y` (finite arrays, one row each; with
+        `unit="user"`, `users`: one id each); see the class."""
         privacy_plan.refuse_fit_arguments(
             kwargs, (*privacy_plan.SAMPLING_ARGUMENTS, "shuffle"), "DPModel"
         )
@@ -306,14 +335,14 @@ class DPModel(FrozenSettings, keras.Model):
             model="network",
             items="inputs",
         )
-        num_examples = len(x)
+        users = user_level.check_users(self, users, len(x))
         epochs = validation.check_positive_int(epochs, "epochs")
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
             raise ValueError(
                 f"initial_epoch={initial_epoch!r} must be an int in [0, "
                 f"epochs={epochs})."
             )
-        steps_per_epoch, schedule = self._schedule_for(num_examples, batch_size)
+        steps_per_epoch, schedule = self._schedule_for(len(x), batch_size, users)
         self._build_for(x[:3], y[:3])
         self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 
@@ -339,11 +368,16 @@ class DPModel(FrozenSettings, keras.Model):
         from kdpemb.data.poisson_batches import PoissonBatches
 
         physical = self.physical_batch_size or 1
-        batches = PoissonBatches(
-            x, y, batch_size, steps_per_epoch, seed=seed,
-            padding=backends.current().BATCH_PADDING, sampling=self.sampling,
-            multiple_of=physical if self.physical_batch_size else 1,
-        )  # fmt: skip
+        padding = backends.current().BATCH_PADDING
+        if users is not None:
+            batches = user_level.batches(
+                self, x, y, users, batch_size, steps_per_epoch, seed, padding
+            )
+        else:
+            batches = PoissonBatches(
+                x, y, batch_size, steps_per_epoch, seed=seed, padding=padding,
+                sampling=self.sampling, multiple_of=physical,
+            )  # fmt: skip
         try:
             return super().fit(
                 batches,
@@ -368,19 +402,22 @@ class DPModel(FrozenSettings, keras.Model):
             if compiled is not None and not compiled.built:
                 compiled.build(y, y_pred)
 
-    def _schedule_for(self, num_examples, batch_size):
+    def _schedule_for(self, num_examples, batch_size, users):
         """Steps per epoch, and the schedule (checked against a saved one)."""
-        batch_size, steps = privacy_plan.example_batches(num_examples, batch_size)
-        if self.delta is not None:
-            validation.check_delta(self.delta, num_examples, "example")
-        schedule = privacy.Schedule.examples(
-            num_examples, batch_size, sampling=self.sampling
-        )
+        if users is not None:
+            steps, schedule = user_level.schedule(self, users, batch_size)
+        else:
+            batch_size, steps = privacy_plan.example_batches(num_examples, batch_size)
+            if self.delta is not None:
+                validation.check_delta(self.delta, num_examples, "example")
+            schedule = privacy.Schedule.examples(
+                num_examples, batch_size, sampling=self.sampling
+            )
         if self.schedule is not None and self.schedule != schedule:
             raise ValueError(
                 f"This DPModel was trained with {self.schedule}; fitting with "
                 f"{schedule} would change the mechanism of the steps already "
-                "counted. Keep the number of examples and the batch size, or "
+                "counted. Keep the number of examples (users) and the batch size, or "
                 "start a new DPModel."
             )
         return steps, schedule
@@ -423,8 +460,9 @@ class DPModel(FrozenSettings, keras.Model):
                     self.clip_norm / np.sqrt(plan.num_groups)
                 ] * plan.num_groups
             self._engine = ClippedGradients(
-                self.network, plan, self._per_example_loss, clip_norms
-            )
+                self.network, plan, self._per_example_loss, clip_norms,
+                examples_per_user=self.examples_per_user,
+            )  # fmt: skip
         return self._engine
 
     def train_on_batch(self, *args, **kwargs):
@@ -444,7 +482,9 @@ class DPModel(FrozenSettings, keras.Model):
         params = [v.value for v in network.trainable_variables]
         fixed = [v.value for v in network.non_trainable_variables]
         fixed = step_releases.carry(self, fixed)
-        clipped, fixed = self._accumulate(engine, params, fixed, x, y, mask)
+        clipped, fixed = gradient_accumulation.accumulate(
+            engine, params, fixed, x, y, mask, self.physical_batch_size
+        )
         fixed, losses = step_releases.uncarry(self, fixed)
         noise = gaussian_sum.gaussian_noise(
             clipped, self.noise_multiplier, self.noise_seed
@@ -476,45 +516,6 @@ class DPModel(FrozenSettings, keras.Model):
             return None
         return ops.less(self.private_steps.value, self.planned_steps)
 
-    def _accumulate(self, engine, params, fixed, x, y, mask):
-        """The clipped sum over the logical batch, physical batch by batch."""
-        physical = self.physical_batch_size
-        size = x.shape[0]
-        if physical is None or (size is not None and size <= physical):
-            return engine(params, fixed, x, y, mask)
-        if size is not None and size % physical:
-            raise ValueError(  # Rows past the last whole chunk would be lost.
-                f"A batch of {size} rows does not split into physical batches "
-                f"of {physical}: feed DPModel through its own fit."
-            )
-        chunks = ops.shape(x)[0] // physical
-
-        def chunk(tensor, index):
-            start = [index * physical] + [0] * (len(tensor.shape) - 1)
-            return ops.slice(tensor, start, (physical, *tensor.shape[1:]))
-
-        def body(index, carry):
-            totals, count, nonfinite, within, values = carry
-            part, values = engine(
-                params, values, chunk(x, index), chunk(y, index), chunk(mask, index)
-            )
-            return (
-                [t + p for t, p in zip(totals, part.total, strict=True)],
-                count + part.count,
-                nonfinite + part.num_nonfinite,
-                within + part.num_within_clip,
-                values,
-            )
-
-        zero = ops.zeros((), "int32")
-        init = ([ops.zeros(p.shape, "float32") for p in params], zero, zero, zero,
-                list(fixed))  # fmt: skip
-        totals, count, nonfinite, within, fixed = ops.fori_loop(0, chunks, body, init)
-        clip_norm = engine.clip_norm
-        return gaussian_sum.ClippedSum(
-            totals, clip_norm, count, nonfinite, within
-        ), fixed
-
     # ---------------------------------------------------------- saving --
 
     def get_config(self):
@@ -534,6 +535,8 @@ class DPModel(FrozenSettings, keras.Model):
             "planned_steps": self.planned_steps,
             "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
             **step_releases.config(self),
+            "unit": self.unit,
+            "examples_per_user": self.examples_per_user,
         }
 
     @classmethod

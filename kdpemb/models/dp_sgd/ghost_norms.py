@@ -18,6 +18,10 @@ activation). Its squared L2 norm follows without forming the gradient
   normalised input x̂ element-wise, so their per-example gradients are
   `Σ x̂ ⊙ g` and `Σ g` over the positions they are shared by.
 
+With `group_size=k`, `ghost_squared_norms` gives the squared norm of each
+group of k consecutive rows' summed gradient (one user's examples, at user
+level): the group's rows are regrouped as positions of one contribution.
+
 Any other layer with weights goes through `vectorized_gradients`: the
 per-example gradient of that layer alone (`vmap` on JAX,
 `tf.vectorized_map` on TensorFlow). `method_of(call)` says which applies.
@@ -87,6 +91,23 @@ def _positions(x):
     """`[B, ..., d]` as `[B, T, d]`."""
     shape = ops.shape(x)
     return ops.reshape(x, (shape[0], -1, shape[-1]))
+
+
+def _grouped(x, size):
+    """`[S·size, ...]` as `[S, size, ...]`: the rows of one group (one
+    user's examples) become positions of one contribution. `x` itself for
+    size 1."""
+    if size == 1:
+        return x
+    shape = ops.shape(x)
+    return ops.reshape(x, (-1, size, *shape[1:]))
+
+
+def _group_sums(t, size):
+    """`[S·size, n]` summed over each group of `size` rows: `[S, n]`."""
+    if size == 1:
+        return t
+    return ops.sum(ops.reshape(t, (-1, size, ops.shape(t)[-1])), axis=1)
 
 
 def _static_positions(x):
@@ -160,14 +181,15 @@ def _squared(t):
     return ops.sum(ops.square(t), axis=-1)
 
 
-def _dense(layer, a, g):
+def _dense(layer, a, g, size=1):
+    a, g = _grouped(a, size), _grouped(g, size)
     norms = outer_sum_squared_norms(a, g)
     if layer.use_bias:
         norms = norms + _position_sum_squared_norms(g)
     return norms
 
 
-def _einsum_dense(layer, a, g):
+def _einsum_dense(layer, a, g, size=1):
     inputs, rest = layer.equation.split(",")
     kernel, outputs = rest.split("->")
     if "..." in inputs or "..." in outputs:
@@ -177,11 +199,11 @@ def _einsum_dense(layer, a, g):
         inputs, outputs = inputs.replace("...", fill), outputs.replace("...", fill)
     batch = inputs[0]
     per_example = ops.einsum(f"{inputs},{outputs}->{batch}{kernel}", _f32(a), _f32(g))
-    norms = ops.sum(
-        ops.square(ops.reshape(per_example, (ops.shape(per_example)[0], -1))), axis=1
-    )
+    per_example = ops.reshape(per_example, (ops.shape(per_example)[0], -1))
+    norms = ops.sum(ops.square(_group_sums(per_example, size)), axis=1)
     if layer.bias is not None:
-        norms = norms + _squared(_reduce_to(_f32(g), tuple(layer.bias.shape)))
+        bias = _reduce_to(_f32(g), tuple(layer.bias.shape))
+        norms = norms + _squared(_group_sums(bias, size))
     return norms
 
 
@@ -240,7 +262,8 @@ def _windowed_squared_norms(windows, g):
     )
 
 
-def _conv(layer, a, g):
+def _conv(layer, a, g, group_size=1):
+    # Windows per example (shifted views of its own image), then grouped.
     a, g = _f32(a), _f32(g)
     if layer.data_format == "channels_first":
         order = [0, *range(2, layer.rank + 2), 1]
@@ -253,7 +276,10 @@ def _conv(layer, a, g):
             padding = "valid"
         a, g = ops.expand_dims(a, 1), ops.expand_dims(g, 1)
         size, strides, dilation = (1, *size), (1, *strides), (1, *dilation)
-    norms = _windowed_squared_norms(_windows(a, size, strides, dilation, padding), g)
+    windows = _windows(a, size, strides, dilation, padding)
+    windows = [_grouped(w, group_size) for w in windows]
+    g = _grouped(g, group_size)
+    norms = _windowed_squared_norms(windows, g)
     if layer.use_bias:
         norms = norms + _position_sum_squared_norms(g)
     return norms
@@ -279,10 +305,10 @@ def embedding_rows(layer, ids):
     return ops.where(ids < 0, ids + ops.cast(rows, ids.dtype), ids)
 
 
-def _embedding(layer, ids, g):
-    rows = embedding_rows(layer, ids)
+def _embedding(layer, ids, g, size=1):
+    rows = _grouped(embedding_rows(layer, ids), size)
     ids = ops.reshape(rows, (ops.shape(rows)[0], -1))
-    g = _positions(_f32(g))
+    g = _positions(_f32(_grouped(g, size)))
     same = ops.cast(ops.expand_dims(ids, 2) == ops.expand_dims(ids, 1), "float32")
     squared = ops.sum(same * ops.einsum("btd,bsd->bts", g, g), axis=(1, 2))
     squared = ops.maximum(squared, 0.0)
@@ -291,7 +317,7 @@ def _embedding(layer, ids, g):
     return squared + _gram_rounding_bound(1.0, _row_norms(g), length)
 
 
-def _normalization(layer, a, g, kwargs, value_of):
+def _normalization(layer, a, g, kwargs, value_of, size=1):
     # x̂: the layer with γ = 1 and β = 0.
     unit = [
         ops.ones(v.shape, v.dtype) if v is layer.gamma else ops.zeros(v.shape, v.dtype)
@@ -302,15 +328,19 @@ def _normalization(layer, a, g, kwargs, value_of):
     g = _f32(g)
     norms = 0.0
     if layer.gamma is not None and layer.gamma.trainable:
-        norms += _squared(_reduce_to(_f32(normalized) * g, tuple(layer.gamma.shape)))
+        scaled = _grouped(_f32(normalized) * g, size)
+        norms += _squared(_reduce_to(scaled, tuple(layer.gamma.shape)))
     if layer.beta is not None and layer.beta.trainable:
-        norms += _squared(_reduce_to(g, tuple(layer.beta.shape)))
+        norms += _squared(_reduce_to(_grouped(g, size), tuple(layer.beta.shape)))
     return norms
 
 
-def ghost_squared_norms(call, g, value_of=None):
+def ghost_squared_norms(call, g, value_of=None, group_size=1):
     """Per-example squared gradient norms `[B]` of `call.layer`'s trainable
-    weights, for a layer `method_of` calls "ghost".
+    weights, for a layer `method_of` calls "ghost"; with `group_size` k,
+    those of each group of k consecutive rows' summed gradient, `[B / k]`
+    (one user's examples: the k rows' positions are positions of one
+    contribution, and the Gram form's round-off bound counts all k·T).
 
     Args:
         call: `layer_taps.TappedCall` of the layer's one call.
@@ -318,20 +348,39 @@ def ghost_squared_norms(call, g, value_of=None):
             its activation), `[B, ...]`.
         value_of: `variable -> current value` (for the normalisations'
             other variables); defaults to `variable.value`.
+        group_size: int k >= 1 dividing B (default 1: per example). Rows
+            left out of a group's sum must hold zeros in `call.inputs` and
+            `g` (zero them with `ops.where`: NaN · 0 is NaN).
+
+    Example (two examples of one user: their gradients add up first):
+
+    >>> import keras, numpy as np
+    >>> layer = keras.layers.Dense(1, use_bias=False)
+    >>> layer.build((None, 1))
+    >>> call = layer_taps.TappedCall(layer, np.ones((2, 1), "float32"), None,
+    ...                              False, {})
+    >>> g = np.array([[1.0], [2.0]], "float32")
+    >>> [round(float(v), 3) for v in ghost_squared_norms(call, g)]
+    [1.0, 4.0]
+    >>> [round(float(v), 3) for v in ghost_squared_norms(call, g, group_size=2)]
+    [9.0]
     """
     layer, a = call.layer, call.inputs
     value_of = value_of or (lambda v: v.value)
     kind = type(layer)
+    size = int(group_size)
+    if size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}.")
     if kind is keras.layers.Dense:
-        return _dense(layer, a, g)
+        return _dense(layer, a, g, size)
     if kind is keras.layers.EinsumDense:
-        return _einsum_dense(layer, a, g)
+        return _einsum_dense(layer, a, g, size)
     if kind in (keras.layers.Conv1D, keras.layers.Conv2D):
-        return _conv(layer, a, g)
+        return _conv(layer, a, g, size)
     if kind is keras.layers.Embedding:
-        return _embedding(layer, a, g)
+        return _embedding(layer, a, g, size)
     if kind in _NORMALIZATIONS:
-        return _normalization(layer, a, g, call.kwargs, value_of)
+        return _normalization(layer, a, g, call.kwargs, value_of, size)
     raise TypeError(f"No ghost norm for {kind.__name__}; use vectorized_gradients.")
 
 

@@ -43,6 +43,7 @@ from keras import ops
 
 from kdpemb.errors import CostlyReleaseWarning
 from kdpemb.models._shared import private_state
+from kdpemb.models.dp_sgd import user_level
 from kdpemb.privacy import gaussian_release, gaussian_sum, quantile_clip
 from kdpemb.privacy.adaptive_clipping import AdaptiveClipping
 from kdpemb.privacy.composed_step import ComposedSampledGaussian
@@ -213,9 +214,10 @@ def step_engine(model, engine):
         engine = type(engine)(
             engine.model, engine.plan, engine.loss_fn,
             [model.current_clip_norm.value],
+            examples_per_user=engine.examples_per_user,
         )  # fmt: skip
     if model.noised_loss is not None:
-        engine = LossSums(engine, model.noised_loss.bound)
+        engine = LossSums(engine, model.noised_loss.bound, model.examples_per_user)
     return engine
 
 
@@ -227,10 +229,12 @@ class LossSums:
     they pass through `DPModel`'s loop over physical batches like them.
     Each batch's losses come from a forward pass at the values its
     gradients were computed at (the same dropout masks on the by-layer
-    path)."""
+    path). At user level (`examples_per_user`) each user's mean loss over
+    its examples of the step is one contribution, clipped to `bound`."""
 
-    def __init__(self, engine, bound):
+    def __init__(self, engine, bound, examples_per_user=None):
         self.engine, self.bound = engine, bound
+        self.examples_per_user = examples_per_user
 
     @property
     def clip_norm(self):
@@ -240,6 +244,8 @@ class LossSums:
         fixed, (total, count, nonfinite) = values[:-3], values[-3:]
         clipped, new_fixed = self.engine(params, fixed, x, y, mask)
         losses = self.engine.example_losses(params, fixed, x, y)
+        if self.examples_per_user is not None:
+            losses, mask = user_level.slot_means(losses, mask, self.examples_per_user)
         part = gaussian_sum.clip_and_sum([losses], self.bound, mask)
         sums = [total + part.total[0], count + part.count,
                 nonfinite + part.num_nonfinite]  # fmt: skip
