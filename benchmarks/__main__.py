@@ -7,6 +7,7 @@ Usage:
     python -m benchmarks fedemb --quick      # DP-FedEmb utility and speed, smoke
     python -m benchmarks dp_sgd --quick      # DPModel against non-private steps
     python -m benchmarks scale --quick       # a round on 1, 2, 4 processes
+    python -m benchmarks user_level --quick  # user-level DP against group privacy
 """
 
 import argparse
@@ -23,6 +24,7 @@ BENCHMARKS = {
     "fedemb": "benchmarks.fedemb",
     "last_layer": "benchmarks.last_layer",
     "scale": "benchmarks.scale",
+    "user_level": "benchmarks.user_level",
     "verification": "benchmarks.verification",
 }
 

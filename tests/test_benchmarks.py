@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 
 from benchmarks import __main__ as runner
@@ -456,3 +457,44 @@ def test_the_utility_study_combines_runs_made_apart(tmp_path, capsys):
     # Nothing trained: the only records printed are the summaries.
     lines = capsys.readouterr().out.splitlines()
     assert not [line for line in lines if line.startswith('{"method"')]
+
+
+def test_user_level_benchmark_compares_at_the_same_user_level_epsilon(capsys):
+    from benchmarks import user_level
+
+    assert runner.BENCHMARKS["user_level"] == "benchmarks.user_level"
+    assert runner.main(["user_level", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["user_level"]
+    figures, config = result["figures"], user_level.QUICK
+    for name in config.datasets:
+        for method in user_level.METHODS:
+            for key in ("test mean", "non-private test"):
+                assert 0 <= figures[f"{name}: {method} {key}"] <= 1
+            assert figures[f"{name}: {method} step seconds"] > 0
+        # Group privacy over the most examples one user keeps (at most k).
+        group = figures[f"{name}: group size"]
+        assert 1 <= group <= config.examples_per_user
+        epsilon, delta = (
+            figures[f"{name}: example epsilon"],
+            figures[f"{name}: example delta"],
+        )
+        assert math.isclose(group * epsilon, config.epsilon)
+        assert math.isclose(
+            group * math.exp((group - 1) * epsilon) * delta, config.delta
+        )
+        # More noise for the example-level run at ε_u / k.
+        assert (
+            figures[f"{name}: example-level + group privacy noise multiplier"]
+            > figures[f"{name}: user-level noise multiplier"]
+        )
+    assert "| fashion | user-level |" in result["table"]
+
+
+def test_the_user_level_benchmark_caps_each_user_at_k_seeded_examples():
+    from benchmarks.user_level import cap_per_user
+
+    users = np.repeat([3, 1, 2], [10, 2, 5])
+    keep = cap_per_user(users, 4, seed=0)
+    kept, counts = np.unique(users[keep], return_counts=True)
+    assert kept.tolist() == [1, 2, 3] and counts.tolist() == [2, 4, 4]
+    assert not np.array_equal(keep, cap_per_user(users, 4, seed=1))

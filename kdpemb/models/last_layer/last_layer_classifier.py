@@ -13,12 +13,12 @@ step, its releases and its accounting:
   float64 statistics computed on the host, one step per epoch.
 
 This module is the front: settings, the schedule fixed by the first
-`fit`, the privacy budget of a target ε, saving and prediction.
+`fit`, the privacy budget of a target ε, saving and prediction. With
+`unit="user"` the guarantee is per user (`last_layer_users`).
 """
 
 import math
 import secrets
-import warnings
 
 import keras
 import numpy as np
@@ -41,6 +41,7 @@ from kdpemb.models.last_layer import (
     last_layer_inputs,
     last_layer_plan,
     last_layer_shipping,
+    last_layer_users,
 )
 from kdpemb.models.last_layer.last_layer_dp_sgd_head import (
     DPSGDHead,
@@ -79,7 +80,7 @@ class ClipFeatures(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="kdpemb")
 class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
-    """A linear classifier on frozen features with example-level DP.
+    """A linear classifier on frozen features with example- or user-level DP.
 
     Args:
         num_classes: int >= 2. K, the number of classes.
@@ -113,14 +114,20 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             covariance); the rest goes to the first-order one (class sums,
             gradient). DP-FC spends `budget_split` of the whole planned
             run's budget on its one covariance release. Defaults to 0.5.
+        unit: "example" (default) or "user": the guarantee covers all of
+            one person's examples; `fit` then takes `users=` and each step
+            gives each user one contribution, the mean over at most
+            `examples_per_user` of their examples (chosen at random).
+        examples_per_user: int. k, the public cap, with `unit="user"` only.
         seed: int or None. None draws the noise (and the sampling) from OS
             entropy; an int makes them reproducible and predictable, for
             tests only (warns `ReproducibleNoiseWarning`).
         schedule, planned_steps, calibrated_noise_multiplier: set by the
             first `fit` and saved with the model; not for you to pass.
             `schedule` is a `kdpemb.privacy.Schedule` (examples N, batch
-            size B), `planned_steps` the steps the first fit planned, and
-            `calibrated_noise_multiplier` the z found for `target_epsilon`.
+            size B; or users U, B_u per step), `planned_steps` the steps
+            the first fit planned, and `calibrated_noise_multiplier` the z
+            found for `target_epsilon`.
 
     `fit(features, labels, batch_size=None, epochs=1)`: `batch_size=None`
     is one full-batch step per epoch; DP-SGD with an int samples batches of
@@ -128,7 +135,9 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     per epoch. DP-Newton and DP-FC take one step per epoch; DP-LS takes its
     single step in one epoch. `compile(optimizer)` sets the optimizer of
     the iterative methods; the default is `SGD(1.0)` (a Newton step for
-    DP-Newton).
+    DP-Newton). With `unit="user"`, `fit(features, labels, users=ids,
+    batch_size=B_u)`: `batch_size` is the expected number of users per
+    step (q = B_u / U over the U distinct ids; None: every user every step).
 
     Example:
 
@@ -160,6 +169,8 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "planned_steps",
             "calibrated_noise_multiplier",
             "use_bias",
+            "unit",
+            "examples_per_user",
         }
     )
 
@@ -180,9 +191,14 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         schedule=None,
         planned_steps=None,
         calibrated_noise_multiplier=None,
+        unit="example",
+        examples_per_user=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.unit, self.examples_per_user = last_layer_users.check_unit(
+            unit, examples_per_user
+        )
         self.num_classes = validation.check_positive_int(
             num_classes, "num_classes", "It is the number of classes, at least 2."
         )
@@ -251,8 +267,9 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self.planned_steps,
             self.calibrated_noise_multiplier,
         ) = last_layer_plan.restored_plan(
-            schedule, planned_steps, calibrated_noise_multiplier, noise_multiplier
-        )
+            schedule, planned_steps, calibrated_noise_multiplier, noise_multiplier,
+            self.examples_per_user,
+        )  # fmt: skip
         if target_epsilon is not None:  # As DPModel's and FedEmbModel's.
             self.noise_multiplier = self.calibrated_noise_multiplier
         self._method = method_class.from_settings(
@@ -261,6 +278,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             feature_clip_norm=self.feature_clip_norm,
             budget_split=self.budget_split,
             l2=self.l2,
+            examples_per_user=self.examples_per_user,
         )
         self.use_bias = self._method.use_bias
         self.head = keras.layers.Dense(
@@ -338,7 +356,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         )
 
     def privacy_statement(self, delta=None, accountant=None):
-        """The `PrivacyStatement` (unit: example) of the steps taken so far.
+        """The `PrivacyStatement` (unit: example, or user) of the steps taken so far.
 
         `delta` defaults to the model's `delta`.
         """
@@ -375,9 +393,11 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         callbacks=None,
         validation_data=None,
         initial_epoch=0,
+        users=None,
         **kwargs,
     ):
-        """Trains the head on `x` (features [N, d]) and `y` (labels in [0, K))."""
+        """Trains the head on `x` (features [N, d]) and `y` (labels in [0, K));
+        with `unit="user"`, `users` holds each example's user id."""
         privacy_plan.refuse_fit_arguments(
             kwargs, privacy_plan.SAMPLING_ARGUMENTS, "LastLayerDPClassifier"
         )
@@ -391,27 +411,15 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 f"built for {self.head.kernel.shape[0]}; pass features of the "
                 "backbone it was trained on, or build a new LastLayerDPClassifier."
             )
+        users, num_users = last_layer_users.check_users(
+            self.unit, users, len(features), self.examples_per_user
+        )
         if self._method.clips_gradients:  # The noise is z · clip_norm.
             scale, scale_name = self.clip_norm, "clip_norm"
         else:
             scale, scale_name = self.feature_clip_norm, "feature_clip_norm"
         last_layer_inputs.warn_if_degenerate(features, scale, scale_name)
-        epochs = validation.check_positive_int(epochs, "epochs")
-        if (
-            not isinstance(initial_epoch, int)
-            or isinstance(initial_epoch, bool)
-            or not 0 <= initial_epoch < epochs
-        ):
-            raise ValueError(
-                f"initial_epoch={initial_epoch!r} must be an int in [0, epochs="
-                f"{epochs}): the fit runs epochs - initial_epoch epochs, at "
-                "least one."
-            )
-        if self._method.single_step and epochs - initial_epoch != 1:
-            raise ValueError(
-                f"{self.method} solves in one step: fit it with epochs=1 (each "
-                "further fit would release the statistics again)."
-            )
+        epochs = last_layer_inputs.check_epochs(epochs, initial_epoch, self._method)
         if not self._method.sampled and (validation_data is not None or kwargs):
             raise ValueError(
                 f"{self.method}.fit takes features, labels, epochs, verbose and "
@@ -424,6 +432,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         steps_per_epoch, plan = last_layer_plan.first_fit_plan(
             self, self._method, len(features), batch_size, epochs - initial_epoch,
             privacy_plan.is_verbose({"verbose": verbose, "callbacks": callbacks}),
+            num_users,
         )  # fmt: skip
         if not self.built:
             self.build(features.shape)
@@ -446,20 +455,20 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         if not self._method.sampled:  # One host step per epoch.
             return fit_loop(
                 self,
-                lambda: self._closed_form_step(features, labels),
+                lambda: self._closed_form_step(features, labels, users),
                 epochs,
                 initial_epoch,
                 verbose,
                 callbacks,
             )
-        self._denominator = float(batch_size or len(features))
+        self._denominator = float(batch_size or self.schedule.population)
         seed = (
             None
             if self.seed is None
             else [self.seed, protocol.read_private_steps(self)]
         )
-        batches = self._batches(
-            features, labels, batch_size, steps_per_epoch,
+        batches = last_layer_users.sampler_batches(
+            self, features, labels, users, batch_size, steps_per_epoch,
             epochs - initial_epoch, seed,
         )  # fmt: skip
         return super().fit(
@@ -473,29 +482,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             shuffle=False,
             **kwargs,
         )
-
-    def _batches(self, features, labels, batch_size, steps, epochs, seed):
-        """DP-SGD's Poisson batches: indices of rows kept on the device, or
-        rows gathered on the host when the device has no room for them."""
-        from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices
-
-        backend = backends.current()
-        if self._rows.hold(features, labels):
-            sampler = PoissonIndices(
-                len(features), batch_size, steps, seed, backend.BATCH_PADDING
-            )
-            batches = self._rows.batches(sampler, epochs)
-        else:
-            warnings.warn(
-                f"The {features.nbytes / 2**20:.0f} MiB of features do not fit "
-                "in device memory: each DP-SGD step gathers its batch on the "
-                "host instead, which is slower.",
-                stacklevel=3,
-            )
-            batches = PoissonBatches(features, labels, batch_size, steps, seed=seed)
-        if self._rows.retrace:  # The step reads its rows another way now.
-            self.train_function = None
-        return batches
 
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(
@@ -513,14 +499,19 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             self, data, self.step_noise_multiplier, self._denominator
         )
 
-    def _closed_form_step(self, features, labels):
+    def _closed_form_step(self, features, labels, users):
         if self.seed is None:
             rng = np.random.default_rng(secrets.randbits(128))
         else:
             rng = np.random.default_rng([self.seed, protocol.read_private_steps(self)])
+        weights = (  # Each user's mean over at most k examples.
+            None
+            if users is None
+            else last_layer_users.user_weights(users, self.examples_per_user, rng)
+        )
         self._method.step(
             self, features, labels, rng, self.step_noise_multiplier,
-            self.planned_steps,
+            self.planned_steps, weights,
         )  # fmt: skip
         self.private_steps.assign_add(1)
         return {"private_steps": protocol.read_private_steps(self)}
@@ -572,4 +563,6 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             "schedule": None if self.schedule is None else self.schedule.get_config(),
             "planned_steps": self.planned_steps,
             "calibrated_noise_multiplier": self.calibrated_noise_multiplier,
+            "unit": self.unit,
+            "examples_per_user": self.examples_per_user,
         }

@@ -7,7 +7,9 @@ the clipped sum over a batch is one matrix product of the features with
 the scaled residuals. The sum is kept as one `[d + 1, K]` tensor (the
 kernel's rows, then the bias), clipped by
 `kdpemb.privacy.gaussian_sum.clipped_sum_from_norms` and noised by
-`gaussian_sum.gaussian_noise` in a single draw per step.
+`gaussian_sum.gaussian_noise` in a single draw per step. At user level
+each sampled user's mean gradient is clipped instead, its norm from the
+Gram matrices of the user's rows (`clipped_user_head_gradient`).
 """
 
 import keras
@@ -68,22 +70,77 @@ def clipped_head_gradient(features, residuals, clip_norm, mask):
     [[0.5883, 0.0], [0.7845, 0.0], [0.1961, 0.0]]
     """
     norms = dense_gradient_norms(features, residuals, use_bias=True)
+    return gaussian_sum.clipped_sum_from_norms(
+        norms, clip_norm, lambda factors: _weighted_sum(features, residuals, factors),
+        mask,
+    )  # fmt: skip
 
-    def weighted_sum(factors):
-        # where() before the product: a row left out adds exactly 0.
-        scaled = ops.where(factors[:, None] > 0, residuals, 0.0) * factors[:, None]
-        kernel = ops.einsum("bd,bk->dk", features, scaled)
-        return [ops.concatenate([kernel, ops.sum(scaled, axis=0)[None]], axis=0)]
 
-    return gaussian_sum.clipped_sum_from_norms(norms, clip_norm, weighted_sum, mask)
+def _weighted_sum(features, residuals, factors):
+    """`[Σᵢ fᵢ xᵢ rᵢᵀ; Σᵢ fᵢ rᵢ]`, one matrix product; a row with fᵢ = 0 adds
+    exactly 0 even where its features or residuals are not finite."""
+    keep = factors[:, None] > 0  # where() before the product: NaN · 0 is NaN.
+    scaled = ops.where(keep, residuals, 0.0) * factors[:, None]
+    kernel = ops.einsum("bd,bk->dk", ops.where(keep, features, 0.0), scaled)
+    return [ops.concatenate([kernel, ops.sum(scaled, axis=0)[None]], axis=0)]
+
+
+def clipped_user_head_gradient(features, residuals, clip_norm, mask, k):
+    """The `ClippedSum` of the users' mean head gradients, in the slot layout.
+
+    Rows `j*k … j*k + k − 1` are slot j: one user's n_j ≤ k chosen rows
+    (`mask` true), then padding; slot j is a user iff any of its rows is
+    real. User j's gradient is `G_j = Σᵢ wᵢ ((xᵢ, 1) rᵢᵀ)` with wᵢ = 1 / n_j,
+    and its exact norm comes from the slot's Gram matrices,
+    `‖G_j‖² = Σᵢₗ wᵢ wₗ (xᵢ·xₗ + 1)(rᵢ·rₗ)` (`[S, k, k]`: no per-user
+    gradient is built). Each `G_j` is clipped to C and the sum is one
+    matrix product with row factors `f_j · wᵢ`. Padding rows add exactly
+    0, even where not finite; a user with a non-finite row is left out.
+
+    Example:
+
+    >>> import numpy as np
+    >>> features = np.array([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]], "float32")
+    >>> residuals = np.array([[1.0, -1.0], [1.0, -1.0], [1.0, -1.0]], "float32")
+    >>> clipped = clipped_user_head_gradient(
+    ...     features[[0, 1, 2, 2]], residuals[[0, 1, 2, 2]], clip_norm=100.0,
+    ...     mask=np.array([1.0, 1.0, 0.0, 0.0]), k=2)  # one user, one empty slot
+    >>> np.round(ops.convert_to_numpy(clipped.total[0]), 3).tolist()
+    [[0.5, -0.5], [0.5, -0.5], [1.0, -1.0]]
+    >>> int(clipped.count)
+    1
+    """
+    features, residuals = ops.cast(features, "float32"), ops.cast(residuals, "float32")
+    rows = ops.cast(ops.reshape(mask, (-1,)), "bool")
+    real = ops.reshape(rows, (-1, k))  # [S, k]
+    counts = ops.sum(ops.cast(real, "float32"), axis=1, keepdims=True)
+    weights = ops.where(real, 1.0 / ops.maximum(counts, 1.0), 0.0)
+    x = ops.reshape(
+        ops.where(rows[:, None], features, 0.0), (-1, k, features.shape[-1])
+    )
+    r = ops.reshape(
+        ops.where(rows[:, None], residuals, 0.0), (-1, k, residuals.shape[-1])
+    )
+    gram = (ops.einsum("sid,sjd->sij", x, x) + 1.0) * ops.einsum("sic,sjc->sij", r, r)
+    squared = ops.sum(weights[:, :, None] * weights[:, None, :] * gram, axis=(1, 2))
+    # Rounding may leave a tiny negative; NaN < 0 is false, so NaN stays.
+    norms = ops.sqrt(ops.where(squared < 0.0, 0.0, squared))
+
+    def weighted_sum(factors):  # factors [S], one per user.
+        row_factors = ops.reshape(factors[:, None] * weights, (-1,))
+        return _weighted_sum(features, residuals, row_factors)
+
+    users = ops.any(real, axis=1)
+    return gaussian_sum.clipped_sum_from_norms(norms, clip_norm, weighted_sum, users)
 
 
 class DPSGDHead:
     """DP-SGD's step and mechanism for `LastLayerDPClassifier(method="dp-sgd")`.
 
     One step: the softmax residuals of the batch, the clipped sum of the
-    per-example gradients, N(0, (z C)²) noise once on the `[d + 1, K]`
-    sum, division by the expected batch size, `l2 · W` on the kernel, and
+    per-example gradients (per-user mean gradients with
+    `examples_per_user`), N(0, (z C)²) noise once on the `[d + 1, K]`
+    sum, division by the expected batch size (of users), `l2 · W` on the kernel, and
     the model's optimizer. Counts the step in `model.private_steps` (with a
     `target_epsilon`, a step past the plan counts nothing and moves nothing
     but the optimizer's momentum).
@@ -103,14 +160,16 @@ class DPSGDHead:
     sampled = True  # Poisson batches, run by Keras' fit.
     single_step = False
 
-    def __init__(self, clip_norm):
+    def __init__(self, clip_norm, examples_per_user=None):
         self.clip_norm = clip_norm
+        self.examples_per_user = examples_per_user  # k: user level.
 
     @classmethod
-    def from_settings(cls, *, clip_norm, **settings):
-        """From the classifier's settings; only `clip_norm` matters."""
+    def from_settings(cls, *, clip_norm, examples_per_user=None, **settings):
+        """From the classifier's settings: `clip_norm` and, at user level,
+        `examples_per_user`."""
         del settings
-        return cls(clip_norm)
+        return cls(clip_norm, examples_per_user)
 
     def mechanism(self, noise_multiplier, schedule, planned_steps):
         """The `Mechanism` of one step (`planned_steps` plays no part)."""
@@ -135,9 +194,15 @@ class DPSGDHead:
         kernel, bias = model.head.kernel, model.head.bias
         probs = ops.softmax(ops.matmul(features, kernel) + bias)
         one_hot = ops.one_hot(ops.cast(labels, "int32"), model.num_classes)
-        clipped = clipped_head_gradient(
-            features, probs - one_hot, self.clip_norm, ops.cast(mask, "bool")
-        )
+        if self.examples_per_user is None:
+            clipped = clipped_head_gradient(
+                features, probs - one_hot, self.clip_norm, ops.cast(mask, "bool")
+            )
+        else:  # Slots of k rows, one user each.
+            clipped = clipped_user_head_gradient(
+                features, probs - one_hot, self.clip_norm, mask,
+                self.examples_per_user,
+            )  # fmt: skip
         (noise,) = gaussian_sum.gaussian_noise(
             clipped, noise_multiplier, model.noise_seed
         )

@@ -49,6 +49,31 @@ def check_data(features, labels, num_classes):
     return features.astype(np.float32, copy=False), labels.astype(np.int32)
 
 
+def check_epochs(epochs, initial_epoch, method):
+    """`epochs`, checked with `initial_epoch` for `method` (a method class).
+
+    >>> check_epochs(3, 1, method=None)
+    3
+    """
+    epochs = validation.check_positive_int(epochs, "epochs")
+    if (
+        not isinstance(initial_epoch, int)
+        or isinstance(initial_epoch, bool)
+        or not 0 <= initial_epoch < epochs
+    ):
+        raise ValueError(
+            f"initial_epoch={initial_epoch!r} must be an int in [0, epochs="
+            f"{epochs}): the fit runs epochs - initial_epoch epochs, at "
+            "least one."
+        )
+    if getattr(method, "single_step", False) and epochs - initial_epoch != 1:
+        raise ValueError(
+            f"{method.name} solves in one step: fit it with epochs=1 (each "
+            "further fit would release the statistics again)."
+        )
+    return epochs
+
+
 def warn_if_degenerate(features, scale, scale_name):
     """Warns `DegenerateFeaturesWarning` if most feature rows are ~zero.
 

@@ -1,9 +1,10 @@
 """The plan of a `LastLayerDPClassifier`: its schedule, fixed at the first fit.
 
 The classifier plans at its first `fit` whatever its noise: the schedule
-(N examples, batch B), the planned steps (that fit's) and, for a
+(N examples and batch B, or at user level U users and B_u users per step,
+`Schedule.users`), the planned steps (that fit's) and, for a
 `target_epsilon`, the noise calibrated over them. Later fits must keep N
-and B; `privacy_plan.check_later_fit` refuses steps past a target's plan. A
+(U) and B; `privacy_plan.check_later_fit` refuses steps past a target's plan. A
 saved classifier restores its plan from its config (`restored_plan`),
 configs saved before the `Schedule` included.
 
@@ -18,9 +19,12 @@ from kdpemb import privacy
 from kdpemb.models._shared import privacy_plan
 
 
-def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=False):
+def first_fit_plan(
+    model, method, num_examples, batch_size, epochs, verbose=False, num_users=None
+):
     """Plans the schedule at the first fit of `model` (a
     `LastLayerDPClassifier` of `method`); checks later fits against it.
+    `num_users` (U) is the population at user level.
 
     Returns the steps per epoch and, at the first fit, the plan
     `(schedule, planned_steps, calibrated_noise_multiplier)` that
@@ -31,7 +35,19 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=Fals
             f"{model.method} uses all the data at every step: fit it with "
             "batch_size=None."
         )
-    batch_size, steps_per_epoch = privacy_plan.example_batches(num_examples, batch_size)
+    users = num_users is not None
+    population = num_users if users else num_examples
+    try:
+        batch_size, steps_per_epoch = privacy_plan.example_batches(
+            population, batch_size
+        )
+    except ValueError as error:
+        if not users:
+            raise
+        raise ValueError(
+            f"{error} (with unit='user', batch_size is the expected number of "
+            f"users per step, out of the {population} users in the data)"
+        ) from None
     if model.schedule is not None:
         trained_batch = (
             None
@@ -39,7 +55,11 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=Fals
             else model.schedule.sample_size
         )
         for name, trained, value in (
-            ("num_examples", model.schedule.population, num_examples),
+            (
+                "num_users" if users else "num_examples",
+                model.schedule.population,
+                population,
+            ),
             ("batch_size", trained_batch, batch_size),
         ):
             if trained != value:
@@ -52,8 +72,13 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=Fals
         return steps_per_epoch, None
     privacy_plan.refuse_unplanned_steps(model)
     if model.delta is not None:
-        validation.check_delta(model.delta, num_examples, "example")
-    schedule = privacy.Schedule.examples(num_examples, batch_size)
+        validation.check_delta(model.delta, population, model.unit)
+    if users:
+        schedule = privacy.Schedule.users(
+            num_users, batch_size, examples_per_user=model.examples_per_user
+        )
+    else:
+        schedule = privacy.Schedule.examples(num_examples, batch_size)
     planned = epochs * steps_per_epoch
     calibrated = None
     if model.target_epsilon is not None:
@@ -66,8 +91,11 @@ def first_fit_plan(model, method, num_examples, batch_size, epochs, verbose=Fals
     return steps_per_epoch, plan
 
 
-def restored_plan(schedule, planned_steps, calibrated, noise_multiplier):
-    """`(Schedule, planned_steps, calibrated z)` from a saved config.
+def restored_plan(
+    schedule, planned_steps, calibrated, noise_multiplier, examples_per_user=None
+):
+    """`(Schedule, planned_steps, calibrated z)` from a saved config, for a
+    classifier of examples, or of users with cap `examples_per_user`.
 
     Reads configs saved before the `Schedule` too (a dict with
     `num_examples`, `batch_size`, `planned_steps` and `noise_multiplier`).
@@ -89,9 +117,17 @@ def restored_plan(schedule, planned_steps, calibrated, noise_multiplier):
             schedule["num_examples"], schedule["batch_size"]
         )
     schedule = privacy.Schedule.from_config(schedule)
-    if schedule.unit != "example" or schedule.users_per_client != 1:
+    unit = "example" if examples_per_user is None else "user"
+    if (
+        schedule.unit != unit
+        or schedule.users_per_client != 1
+        or schedule.examples_per_user != examples_per_user
+    ):
+        cap = "" if examples_per_user is None else f", k={examples_per_user}"
         raise ValueError(
-            f"LastLayerDPClassifier protects examples; got the schedule {schedule}."
+            f"This LastLayerDPClassifier protects each {unit}{cap}; got the "
+            f"schedule {schedule}. Build it with the unit and examples_per_user "
+            "it was trained with."
         )
     planned_steps = validation.check_positive_int(planned_steps, "planned_steps")
     if (calibrated is None) == (noise_multiplier is None):

@@ -35,6 +35,9 @@ class ClosedFormSolver:
         feature_clip_norm: float. C_x, which sets every sensitivity.
         budget_split: float in (0, 1). The second-order statistic's share.
         l2: float or None. The ridge penalty (see `ridge`).
+        examples_per_user: int or None. k at user level: each statistic
+            sums the users' means over at most k of their examples
+            (`step`'s `row_weights`), with the sensitivities of one example.
     """
 
     name = None
@@ -44,32 +47,43 @@ class ClosedFormSolver:
     sampled = False  # All the data, one host step per epoch.
     single_step = False
 
-    def __init__(self, num_classes, feature_clip_norm, budget_split, l2):
+    def __init__(
+        self, num_classes, feature_clip_norm, budget_split, l2, examples_per_user=None
+    ):
         self.num_classes = num_classes
         self.feature_clip_norm = feature_clip_norm
         self.budget_split = budget_split
         self.l2 = l2
+        self.examples_per_user = examples_per_user
 
     @classmethod
     def from_settings(
-        cls, *, num_classes, feature_clip_norm, budget_split, l2, **settings
-    ):
+        cls, *, num_classes, feature_clip_norm, budget_split, l2,
+        examples_per_user=None, **settings,
+    ):  # fmt: skip
         """From the classifier's settings (DP-SGD's `clip_norm` is not used)."""
         del settings
-        return cls(num_classes, feature_clip_norm, budget_split, l2)
+        return cls(num_classes, feature_clip_norm, budget_split, l2, examples_per_user)
+
+    def _named(self, name):
+        """A release's name; at user level it names the users' means and k."""
+        if self.examples_per_user is None:
+            return name
+        return f"{name} of user means (at most {self.examples_per_user} examples each)"
 
     def releases(self, noise_multiplier, planned_steps):
         """`(setup, per_step)`: tuples of `GaussianRelease`, second-order first."""
         raise NotImplementedError
 
     def mechanism(self, noise_multiplier, schedule, planned_steps):
-        """The `GaussianReleases` of one step on `schedule.population` examples."""
+        """The `GaussianReleases` of one step on `schedule.population` units."""
         setup, per_step = self.releases(noise_multiplier, planned_steps)
         return privacy.gaussian_releases(
             per_step,
             schedule.population,
             setup=setup,
             clip_norm=self.feature_clip_norm,
+            unit=schedule.unit,
         )
 
     def noise_multiplier_of(self, calibrated):
@@ -94,7 +108,8 @@ class ClosedFormSolver:
         """λ: `l2 · N`, or by default `2 σ √d` of the second-order noise.
 
         The default is data-independent (σ is public), with a floor of
-        `1e-6 · N` when there is no noise.
+        `1e-6 · N` when there is no noise. N is the population: examples,
+        or users at user level (each user's weights sum to 1).
         """
         if self.l2 is not None:
             return self.l2 * num_examples
@@ -103,8 +118,15 @@ class ClosedFormSolver:
     def build(self, model, dim):
         """Adds the solver's own state to `model` (none by default)."""
 
-    def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
-        """One private step: releases its statistics and updates the head."""
+    def step(
+        self, model, features, labels, rng, noise_multiplier, planned_steps,
+        row_weights=None,
+    ):  # fmt: skip
+        """One private step: releases its statistics and updates the head.
+
+        `row_weights` [N]: each example's weight (1 / n_u for a user's
+        chosen examples, at user level); None: 1 each.
+        """
         raise NotImplementedError
 
     def _newton_like_step(self, model, gradient, curvature, second_order, n):
@@ -152,19 +174,22 @@ class DPLeastSquares(ClosedFormSolver):
         cx = self.feature_clip_norm
         return (), self._split_releases(
             noise_multiplier,
-            (stats.GRAM_SENSITIVITY * cx**2, "Gram matrix"),
-            (stats.CLASS_SUMS_SENSITIVITY * cx, "per-class feature sums"),
+            (stats.GRAM_SENSITIVITY * cx**2, self._named("Gram matrix")),
+            (stats.CLASS_SUMS_SENSITIVITY * cx, self._named("per-class feature sums")),
         )
 
-    def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
+    def step(
+        self, model, features, labels, rng, noise_multiplier, planned_steps,
+        row_weights=None,
+    ):  # fmt: skip
         _, (gram_release, sums_release) = self.releases(noise_multiplier, planned_steps)
-        n, dim = features.shape
+        dim = features.shape[1]
         cx = self.feature_clip_norm
-        gram = stats.gram(features, cx)
+        gram = stats.gram(features, cx, row_weights)
         gram += host_noise.symmetric_noise(gram_release, dim, rng)
-        sums = stats.class_sums(features, labels, self.num_classes, cx)
+        sums = stats.class_sums(features, labels, self.num_classes, cx, row_weights)
         sums += host_noise.gaussian_noise(sums_release, sums.shape, rng)
-        ridge = self.ridge(gram_release, n, dim)
+        ridge = self.ridge(gram_release, model.schedule.population, dim)
         kernel = stats.solve_ridge(stats.make_psd(gram), sums, ridge)
         model.head.kernel.assign(kernel.astype("float32"))
 
@@ -185,25 +210,30 @@ class DPNewton(ClosedFormSolver):
         cx = self.feature_clip_norm
         return (), self._split_releases(
             noise_multiplier,
-            (stats.HESSIANS_SENSITIVITY * cx**2, "per-class Hessians"),
-            (stats.GRADIENT_SENSITIVITY * cx, "logistic gradient"),
+            (stats.HESSIANS_SENSITIVITY * cx**2, self._named("per-class Hessians")),
+            (stats.GRADIENT_SENSITIVITY * cx, self._named("logistic gradient")),
         )
 
-    def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
+    def step(
+        self, model, features, labels, rng, noise_multiplier, planned_steps,
+        row_weights=None,
+    ):  # fmt: skip
         _, (hessians_release, gradient_release) = self.releases(
             noise_multiplier, planned_steps
         )
         dim = features.shape[1]
         gradient, hessians = stats.logistic_statistics(
-            features, labels, _kernel(model), self.feature_clip_norm, hessians=True
-        )
+            features, labels, _kernel(model), self.feature_clip_norm, hessians=True,
+            row_weights=row_weights,
+        )  # fmt: skip
         gradient += host_noise.gaussian_noise(gradient_release, gradient.shape, rng)
         hessians += host_noise.symmetric_noise(
             hessians_release, dim, rng, count=self.num_classes
         )
         self._newton_like_step(
-            model, gradient, stats.make_psd(hessians), hessians_release, len(features)
-        )
+            model, gradient, stats.make_psd(hessians), hessians_release,
+            model.schedule.population,
+        )  # fmt: skip
 
 
 class DPFeatureCovariance(ClosedFormSolver):
@@ -236,10 +266,10 @@ class DPFeatureCovariance(ClosedFormSolver):
         covariance = GaussianRelease.from_noise_multiplier(
             second / math.sqrt(planned_steps),
             stats.GRAM_SENSITIVITY * cx**2,
-            "feature covariance",
+            self._named("feature covariance"),
         )
         gradient = GaussianRelease.from_noise_multiplier(
-            first, stats.GRADIENT_SENSITIVITY * cx, "logistic gradient"
+            first, stats.GRADIENT_SENSITIVITY * cx, self._named("logistic gradient")
         )
         return (covariance,), (gradient,)
 
@@ -248,6 +278,7 @@ class DPFeatureCovariance(ClosedFormSolver):
         return _ScaledReleases(
             releases=per_step,
             population=schedule.population,
+            unit=schedule.unit,
             clip_norm=self.feature_clip_norm,
             setup=setup,
         )
@@ -266,7 +297,10 @@ class DPFeatureCovariance(ClosedFormSolver):
             name="covariance_released",
         )  # fmt: skip
 
-    def step(self, model, features, labels, rng, noise_multiplier, planned_steps):
+    def step(
+        self, model, features, labels, rng, noise_multiplier, planned_steps,
+        row_weights=None,
+    ):  # fmt: skip
         released = int(keras.ops.convert_to_numpy(model.covariance_released))
         taken = protocol.read_private_steps(model)
         if not released and taken:
@@ -284,11 +318,12 @@ class DPFeatureCovariance(ClosedFormSolver):
         )
         dim = features.shape[1]
         gradient, _ = stats.logistic_statistics(
-            features, labels, _kernel(model), self.feature_clip_norm, hessians=False
-        )
+            features, labels, _kernel(model), self.feature_clip_norm, hessians=False,
+            row_weights=row_weights,
+        )  # fmt: skip
         gradient += host_noise.gaussian_noise(gradient_release, gradient.shape, rng)
         if not released:
-            covariance = stats.gram(features, self.feature_clip_norm)
+            covariance = stats.gram(features, self.feature_clip_norm, row_weights)
             covariance += host_noise.symmetric_noise(covariance_release, dim, rng)
             model.covariance.assign(stats.make_psd(covariance).astype("float32"))
             model.covariance_released.assign(1)
@@ -296,7 +331,7 @@ class DPFeatureCovariance(ClosedFormSolver):
         shared = np.asarray(keras.ops.convert_to_numpy(model.covariance), np.float64)
         shared = shared * ((1.0 / k) * (1.0 - 1.0 / k))  # Every class's block.
         self._newton_like_step(
-            model, gradient, shared, covariance_release, len(features)
+            model, gradient, shared, covariance_release, model.schedule.population
         )
 
 

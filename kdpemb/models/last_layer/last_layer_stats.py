@@ -21,6 +21,12 @@ The gradient bound: one example adds `x (p − y)ᵀ`, whose Frobenius norm is
 included), mirrored: the upper triangle of `x xᵀ` has norm at most
 `‖x xᵀ‖_F = ‖x‖²`, so the sensitivity of the matrix carries over.
 
+At user level (`LastLayerDPClassifier(unit="user")`) each example of a
+user's chosen n_u ≤ k has weight 1 / n_u (`row_weights`): a user's share
+of a statistic is a convex combination of per-example terms, so its norm
+is bounded as one example's is, and the sensitivities above hold for
+adding or removing one user.
+
 The noise is added by the solvers (`last_layer_solvers`) with
 `kdpemb.privacy.host_noise`, from each statistic's `GaussianRelease`.
 """
@@ -48,29 +54,39 @@ def clip_rows(features, clip_norm):
     return features * np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))
 
 
-def _blocks(features, clip_norm):
+def _blocks(features, clip_norm, row_weights=None):
+    """`(start, clipped rows, their weights or None)` of float64 blocks."""
     for start in range(0, len(features), _BLOCK):
-        yield start, clip_rows(features[start : start + _BLOCK], clip_norm)
+        block = clip_rows(features[start : start + _BLOCK], clip_norm)
+        rows = None if row_weights is None else row_weights[start : start + _BLOCK]
+        yield start, block, None if rows is None else rows[:, None]
 
 
-def gram(features, clip_norm):
-    """`X̃ᵀX̃` of the clipped features, accumulated in float64 blocks."""
+def gram(features, clip_norm, row_weights=None):
+    """`X̃ᵀX̃` of the clipped features, accumulated in float64 blocks.
+
+    `row_weights` [N] (e.g. 1 / n_u for the examples of a user's mean):
+    `X̃ᵀ diag(w) X̃`. Likewise for the statistics below.
+    """
     d = features.shape[1]
     total = np.zeros((d, d))
-    for _, block in _blocks(features, clip_norm):
-        total += block.T @ block
+    for _, block, w in _blocks(features, clip_norm, row_weights):
+        total += (block if w is None else block * w).T @ block
     return total
 
 
-def class_sums(features, labels, num_classes, clip_norm):
+def class_sums(features, labels, num_classes, clip_norm, row_weights=None):
     """`X̃ᵀY`: column c is the sum of the clipped features of class c."""
     total = np.zeros((features.shape[1], num_classes))
-    for start, block in _blocks(features, clip_norm):
-        np.add.at(total.T, labels[start : start + len(block)], block)
+    for start, block, w in _blocks(features, clip_norm, row_weights):
+        rows = block if w is None else block * w
+        np.add.at(total.T, labels[start : start + len(block)], rows)
     return total
 
 
-def logistic_statistics(features, labels, weights, clip_norm, hessians=True):
+def logistic_statistics(
+    features, labels, weights, clip_norm, hessians=True, row_weights=None
+):
     """Gradient `X̃ᵀ(P − Y)` [d, K] and per-class Hessians [K, d, d] at `weights`.
 
     P = softmax(X̃ W). The Hessians are the diagonal blocks of the
@@ -79,16 +95,16 @@ def logistic_statistics(features, labels, weights, clip_norm, hessians=True):
     d, num_classes = weights.shape
     gradient = np.zeros((d, num_classes))
     blocks = np.zeros((num_classes, d, d)) if hessians else None
-    for start, block in _blocks(features, clip_norm):
+    for start, block, w in _blocks(features, clip_norm, row_weights):
         logits = block @ weights
         logits -= logits.max(axis=1, keepdims=True)
         probs = np.exp(logits)
         probs /= probs.sum(axis=1, keepdims=True)
         residual = probs.copy()
         residual[np.arange(len(block)), labels[start : start + len(block)]] -= 1.0
-        gradient += block.T @ residual
+        gradient += block.T @ (residual if w is None else residual * w)
         if hessians:
-            curvature = probs * (1.0 - probs)
+            curvature = probs * (1.0 - probs) * (1.0 if w is None else w)
             for c in range(num_classes):
                 blocks[c] += (block * curvature[:, c : c + 1]).T @ block
     return gradient, blocks
