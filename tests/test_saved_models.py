@@ -17,10 +17,12 @@ from tests.test_private_model_contract import CASES
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "saved_models"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+# Contract cases of models that 0.1.0 could not build: no file to load.
+NEW_SINCE_0_1 = {"dp_model_user"}  # DPModel(unit="user"), 0.2.0.
 
 
 def test_every_private_model_of_the_contract_has_a_saved_file():
-    assert sorted(MANIFEST) == sorted(CASES)
+    assert sorted(MANIFEST) == sorted(set(CASES) - NEW_SINCE_0_1)
     assert {entry["class"] for entry in MANIFEST.values()} >= {
         "DPModel", "FedEmbModel", "LastLayerDPClassifier", "ToyDPRegressor",
     }  # fmt: skip

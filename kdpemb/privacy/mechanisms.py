@@ -294,7 +294,7 @@ class SampledGaussian(Mechanism):
     users_per_client: int = 1
     clip_norm: float | None = None
     setup: tuple = ()
-    examples_per_user: int | None = None
+    examples_per_user: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         validation.check_noise_multiplier(self.noise_multiplier)

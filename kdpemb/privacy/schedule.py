@@ -155,7 +155,7 @@ class Schedule(ConfigDataclass):
     num_clients: int | None = None
     local_steps: int = 1
     steps_per_epoch: int | None = None
-    examples_per_user: int | None = None
+    examples_per_user: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         validation.check_positive_int(self.population, "population")

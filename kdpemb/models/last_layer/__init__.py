@@ -5,7 +5,8 @@ The classifier (`last_layer_classifier`) is a front over four methods:
 "dp-sgd" (`last_layer_dp_sgd_head`) and the closed-form solvers "dp-ls",
 "dp-newton", "dp-fc" (`last_layer_solvers`, float64 statistics in
 `last_layer_stats`). Its target-ε plan is `last_layer_plan`; its input
-checks `last_layer_inputs`.
+checks `last_layer_inputs`; user-level privacy (`unit="user"`) and the
+DP-SGD sampler `last_layer_users`.
 
 Example:
 

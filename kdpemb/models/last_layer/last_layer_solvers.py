@@ -11,6 +11,10 @@ split that cost in zCDP, the second-order statistic taking `budget_split`
 (its multiplier is z / √s, the first-order one's z / √(1 − s)). DP-FC's
 one covariance release takes `budget_split` of the whole planned run's
 budget (z / √(s T)).
+
+At user level (`examples_per_user` set) every statistic sums the users'
+means over at most k of their examples (`row_weights` of 1 / n_u), whose
+sensitivities per user are those of one example; λ scales with U.
 """
 
 import math
