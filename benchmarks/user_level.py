@@ -83,6 +83,7 @@ class Config:
 
 
 QUICK = Config(
+    datasets=("identities",),  # Generated: no data file needed (CI).
     epochs=1,
     steps_per_epoch=2,
     learning_rates=(0.2,),

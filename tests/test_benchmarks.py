@@ -487,7 +487,7 @@ def test_user_level_benchmark_compares_at_the_same_user_level_epsilon(capsys):
             figures[f"{name}: example-level + group privacy noise multiplier"]
             > figures[f"{name}: user-level noise multiplier"]
         )
-    assert "| fashion | user-level |" in result["table"]
+    assert "| identities | user-level |" in result["table"]
 
 
 def test_the_user_level_benchmark_caps_each_user_at_k_seeded_examples():
