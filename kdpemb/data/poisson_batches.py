@@ -94,7 +94,7 @@ class PoissonIndices(keras.utils.PyDataset):
                 batch_size = int(batch_size)
         self.batch_size = batch_size
         self.steps = validation.check_positive_int(steps, "steps")
-        seed = _check_seed(seed)
+        seed = check_seed(seed)
         self.index_dtype = np.dtype(
             np.int32 if self.num_examples <= np.iinfo(np.int32).max else np.int64
         )
@@ -171,8 +171,8 @@ class PoissonIndices(keras.utils.PyDataset):
             return self._rng.choice(self.num_examples, size, replace=False)
 
 
-def _check_seed(seed):
-    """None, an int >= 0, or a sequence of them (NumPy's entropy)."""
+def check_seed(seed):
+    """None, an int >= 0, or a sequence of them (NumPy's entropy), checked."""
     parts = seed if isinstance(seed, (list, tuple)) else [seed]
     if seed is None or (
         parts
@@ -212,19 +212,7 @@ class PoissonBatches(PoissonIndices):
     def __init__(
         self, features, labels, batch_size, steps, seed=None, padding="bound", **kwargs
     ):
-        for name, rows in (("features", features), ("labels", labels)):
-            if not hasattr(rows, "__len__") or not hasattr(rows, "__getitem__"):
-                raise ValueError(
-                    f"{name} must be an array with one row per example, got "
-                    f"{type(rows).__name__}."
-                )
-        if len(features) != len(labels):
-            raise ValueError(
-                f"features has {len(features)} rows but labels has {len(labels)}; "
-                "pass one label per example."
-            )
-        if not len(features):
-            raise ValueError("features is empty: there are no examples to sample.")
+        check_rows(features, labels)
         super().__init__(
             len(features), batch_size, steps, seed=seed, padding=padding, **kwargs
         )
@@ -233,3 +221,21 @@ class PoissonBatches(PoissonIndices):
     def __getitem__(self, index):
         indices, mask = self.sample(index)
         return self.features[indices], self.labels[indices], mask
+
+
+def check_rows(features, labels):
+    """Refuses `features` and `labels` that are not arrays of rows, one
+    label per example, at least one example."""
+    for name, rows in (("features", features), ("labels", labels)):
+        if not hasattr(rows, "__len__") or not hasattr(rows, "__getitem__"):
+            raise ValueError(
+                f"{name} must be an array with one row per example, got "
+                f"{type(rows).__name__}."
+            )
+    if len(features) != len(labels):
+        raise ValueError(
+            f"features has {len(features)} rows but labels has {len(labels)}; "
+            "pass one label per example."
+        )
+    if not len(features):
+        raise ValueError("features is empty: there are no examples to sample.")

@@ -18,7 +18,6 @@ count U (a `PoissonIndices` over U users, with a generator of its own),
 and a user's rows only on that user's examples.
 """
 
-import numbers
 import secrets
 import threading
 
@@ -26,7 +25,7 @@ import keras
 import numpy as np
 
 from kdpemb import _validation as validation
-from kdpemb.data.poisson_batches import PoissonIndices
+from kdpemb.data.poisson_batches import PoissonIndices, check_rows, check_seed
 
 INDEX_INT32_LIMIT = np.iinfo(np.int32).max  # More examples: int64 indices.
 
@@ -90,7 +89,7 @@ class UserIndices(keras.utils.PyDataset):
         multiple_of=1,
     ):
         super().__init__()
-        self.user_ids, user_of_example = _index(users)
+        self.user_ids, user_of_example = index_user_ids(users)
         self.num_users = int(self.user_ids.size)
         self.num_examples = int(user_of_example.size)
         self.examples_per_user = validation.check_positive_int(
@@ -189,22 +188,20 @@ class UserIndices(keras.utils.PyDataset):
 
 def _entropy(seed):
     """The seed as a list of ints >= 0 (NumPy's entropy); None: 128 OS bits."""
+    seed = check_seed(seed)
     if seed is None:
         return [secrets.randbits(128)]
-    parts = list(seed) if isinstance(seed, (list, tuple)) else [seed]
-    if parts and all(
-        isinstance(p, numbers.Integral) and not isinstance(p, bool) and p >= 0
-        for p in parts
-    ):
-        return [int(p) for p in parts]
-    raise ValueError(
-        f"seed must be None (OS entropy) or an int >= 0, got {seed!r}. A fixed "
-        "seed makes the sampling predictable: use it for tests only."
-    )
+    return [int(p) for p in (seed if isinstance(seed, (list, tuple)) else [seed])]
 
 
-def _index(users):
-    """`(sorted distinct ids, user of each example)` of a checked `users`."""
+def index_user_ids(users):
+    """`(sorted distinct ids, user of each example)` of `users`, checked: one
+    flat array of integer (or whole-number float) or string ids.
+
+    >>> ids, user_of = index_user_ids(np.array([7, 3, 7]))
+    >>> ids.tolist(), user_of.tolist()
+    ([3, 7], [1, 0, 1])
+    """
     if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
         raise ValueError(
             f"users must be an array with one user id per example, got "
@@ -276,19 +273,7 @@ class UserBatches(UserIndices):
         padding="bound",
         **kwargs,
     ):
-        for name, rows in (("features", features), ("labels", labels)):
-            if not hasattr(rows, "__len__") or not hasattr(rows, "__getitem__"):
-                raise ValueError(
-                    f"{name} must be an array with one row per example, got "
-                    f"{type(rows).__name__}."
-                )
-        if len(features) != len(labels):
-            raise ValueError(
-                f"features has {len(features)} rows but labels has {len(labels)}; "
-                "pass one label per example."
-            )
-        if not len(features):
-            raise ValueError("features is empty: there are no examples to sample.")
+        check_rows(features, labels)
         if hasattr(users, "__len__") and len(users) != len(features):
             raise ValueError(
                 f"users has {len(users)} ids but features has {len(features)} "

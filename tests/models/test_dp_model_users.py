@@ -197,9 +197,17 @@ def test_bad_arguments_are_refused_before_any_step():
     example_level.compile("sgd", "mse")
     with pytest.raises(ValueError, match="unit='user'"):
         example_level.fit(x, y, users=users, batch_size=2, verbose=0)
+    # Ids are checked before any plan: a refused `users` fixes no schedule,
+    # so the corrected fit runs.
+    for bad, match in ((users % 2 == 0, "dtype bool"), (users + 0.5, "float")):
+        with pytest.raises(ValueError, match=match):
+            model.fit(x, y, users=bad, batch_size=2, verbose=0)
+        assert model.schedule is None
     for got, want in zip(weights(model.network), before, strict=True):
         np.testing.assert_array_equal(got, want)
     assert protocol.read_private_steps(model) == 0 and model.schedule is None
+    model.fit(x, y, users=users, batch_size=2, epochs=1, verbose=0)
+    assert model.schedule.population == 6
 
 
 def test_a_saved_user_level_model_keeps_its_unit_cap_and_count(tmp_path):

@@ -22,8 +22,9 @@ from kdpemb.models.last_layer import LastLayerDPClassifier
 from kdpemb.models.last_layer import last_layer_stats as stats
 from kdpemb.models.last_layer.last_layer_dp_sgd_head import clipped_user_head_gradient
 from kdpemb.models.last_layer.last_layer_users import user_weights
-from kdpemb.privacy import protocol
 from tests.models import last_layer_reference as ref
+from tests.models.test_last_layer import make_model as example_level_model
+from tests.models.test_last_layer import steps_of
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::kdpemb.errors.ReproducibleNoiseWarning"),
@@ -52,20 +53,8 @@ def user_data(counts=COUNTS, dim=5, num_classes=3, seed=0):
 
 def make_model(num_classes, method="dp-sgd", optimizer=None, **overrides):
     """A seeded, compiled user-level classifier (k = 4, z = 0, huge C)."""
-    settings = {"seed": 0, "unit": "user", "examples_per_user": 4, **overrides}
-    if "target_epsilon" not in settings:
-        settings.setdefault("noise_multiplier", 0.0)
-    if method == "dp-sgd":
-        settings.setdefault("clip_norm", 1e9)
-    else:
-        settings.setdefault("feature_clip_norm", 1e9)
-    model = LastLayerDPClassifier(num_classes, method, **settings)
-    model.compile(optimizer=optimizer)
-    return model
-
-
-def steps_of(model):
-    return protocol.read_private_steps(model)
+    overrides = {"unit": "user", "examples_per_user": 4, **overrides}
+    return example_level_model(num_classes, method, optimizer, **overrides)
 
 
 def flat(gradient):

@@ -24,6 +24,7 @@ from kdpemb.models.dp_sgd.clipped_gradients import (
     per_example_losses,
     plan_gradients,
 )
+from tests.models.test_clipped_gradients import DropoutScale
 
 K = 3
 # Examples of each slot's user (0: a slot of padding only). User 0 holds
@@ -56,17 +57,6 @@ class Scale(layers.Layer):
     def call(self, x):
         scaled = x * self.w
         return keras.ops.sin(scaled) + keras.ops.sqrt(keras.ops.abs(scaled))
-
-
-class DropoutScale(layers.Layer):
-    """A layer with a weight and its own randomness inside."""
-
-    def build(self, input_shape):
-        self.w = self.add_weight(shape=input_shape[1:], initializer="ones")
-        self.dropout = layers.Dropout(0.5)
-
-    def call(self, x, training=None):
-        return self.dropout(x * self.w, training=training)
 
 
 def embedding_ids(rng, rows):
@@ -326,6 +316,25 @@ def test_a_nan_in_a_padding_row_changes_nothing_and_in_a_real_row_its_user(name)
     expected, _ = step(params, fixed, x, y, without)
     for got, want in zip(numpy_total(clipped), numpy_total(expected), strict=True):
         assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["dense", "whole_model"])
+def test_padding_rows_before_a_users_real_rows_change_nothing(name):
+    # The sampler puts a user's real rows first; the engine must not rely
+    # on it: padding rows that come first and hold NaN add nothing.
+    model, plan, x, y, mask, _ = case(name)
+    engine = engine_for(model, plan, clip_norms_for(plan, 0.05, False))
+    params, fixed = state(model)
+    step = compiled(engine)
+    reference, _ = step(params, fixed, x, y, mask)
+    reverse = (np.arange(len(COUNTS))[:, None] * K + np.arange(K)[::-1]).ravel()
+    x, y, mask = x[reverse].copy(), y[reverse], mask[reverse]
+    assert not mask[3] and mask[5]  # Slot 1: padding rows before its real row.
+    x[~mask] = np.nan
+    clipped, _ = step(params, fixed, x, y, mask)
+    assert int(clipped.num_nonfinite) == 0 and int(clipped.count) == 4
+    for got, want in zip(numpy_total(clipped), numpy_total(reference), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 

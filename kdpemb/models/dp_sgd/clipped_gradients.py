@@ -396,12 +396,17 @@ def _slot_sums(rows, mask, k):
 
 
 def _own_rows(tensor, mask, k):
-    """`[S, k, ...]`, each padding row replaced by its slot's first row
-    (real in a user's slot): whatever a padding row held, it then computes
-    only on its own user's data, and finite where that user's rows are."""
+    """`[S, k, ...]`, each padding row replaced by its slot's first real row
+    (wherever it stands in the slot): whatever a padding row held, it then
+    computes only on its own user's data, and finite where that user's
+    rows are. A slot of padding only keeps its first row (masked out)."""
     slots = _slots(tensor, k)
-    keep = ops.reshape(ops.cast(mask, "bool"), (-1, k) + (1,) * (len(slots.shape) - 2))
-    return ops.where(keep, slots, slots[:, :1])
+    real = ops.reshape(ops.cast(mask, "bool"), (-1, k))
+    first = ops.cast(ops.argmax(ops.cast(real, "int32"), axis=1), "int32")
+    rows = ops.arange(ops.shape(real)[0], dtype="int32") * k + first
+    first_rows = ops.expand_dims(ops.take(tensor, rows, axis=0), 1)
+    keep = ops.reshape(real, (-1, k) + (1,) * (len(slots.shape) - 2))
+    return ops.where(keep, slots, first_rows)
 
 
 class ClippedGradients:

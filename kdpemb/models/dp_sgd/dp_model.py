@@ -335,14 +335,14 @@ class DPModel(FrozenSettings, keras.Model):
             model="network",
             items="inputs",
         )
-        users = user_level.check_users(self, users, len(x))
+        users, num_users = user_level.check_users(self, users, len(x))
         epochs = validation.check_positive_int(epochs, "epochs")
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
             raise ValueError(
                 f"initial_epoch={initial_epoch!r} must be an int in [0, "
                 f"epochs={epochs})."
             )
-        steps_per_epoch, schedule = self._schedule_for(len(x), batch_size, users)
+        steps_per_epoch, schedule = self._schedule_for(len(x), batch_size, num_users)
         self._build_for(x[:3], y[:3])
         self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 
@@ -402,10 +402,10 @@ class DPModel(FrozenSettings, keras.Model):
             if compiled is not None and not compiled.built:
                 compiled.build(y, y_pred)
 
-    def _schedule_for(self, num_examples, batch_size, users):
+    def _schedule_for(self, num_examples, batch_size, num_users):
         """Steps per epoch, and the schedule (checked against a saved one)."""
-        if users is not None:
-            steps, schedule = user_level.schedule(self, users, batch_size)
+        if num_users is not None:
+            steps, schedule = user_level.schedule(self, num_users, batch_size)
         else:
             batch_size, steps = privacy_plan.example_batches(num_examples, batch_size)
             if self.delta is not None:

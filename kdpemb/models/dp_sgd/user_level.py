@@ -17,39 +17,16 @@ Example:
 ('example', None)
 """
 
-import numpy as np
-
 from kdpemb import _validation as validation
 from kdpemb import privacy
-from kdpemb.models._shared import privacy_plan
-
-UNITS = ("example", "user")
+from kdpemb.models._shared import privacy_plan, privacy_unit
 
 
 def check_unit(unit, examples_per_user, physical_batch_size):
-    """`(unit, examples_per_user)` checked: a user-level model needs the
-    public cap k; a physical batch holds whole users (a multiple of k)."""
-    if not isinstance(unit, str) or unit not in UNITS:
-        raise ValueError(
-            f"unit must be one of {UNITS}, got {unit!r}: 'user' protects all "
-            "of a person's examples, 'example' one example."
-        )
-    if unit == "example":
-        if examples_per_user is not None:
-            raise ValueError(
-                f"examples_per_user={examples_per_user!r} caps each user's "
-                "examples per step at user level: give unit='user' (and "
-                "fit(..., users=...)), or leave examples_per_user out."
-            )
-        return unit, None
-    if examples_per_user is None:
-        raise ValueError(
-            "unit='user' needs examples_per_user=k: the most examples of one "
-            "user a step averages into that user's gradient (a public cap, "
-            "e.g. 8; examples above it are left out of that step)."
-        )
-    k = validation.check_positive_int(examples_per_user, "examples_per_user")
-    if physical_batch_size is not None and physical_batch_size % k:
+    """`(unit, examples_per_user)` checked (`privacy_unit.check_unit`); a
+    physical batch holds whole users (a multiple of k)."""
+    unit, k = privacy_unit.check_unit(unit, examples_per_user, "DPModel")
+    if k is not None and physical_batch_size is not None and physical_batch_size % k:
         raise ValueError(
             f"physical_batch_size={physical_batch_size} must be a multiple of "
             f"examples_per_user={k}: a physical batch holds whole users. Use "
@@ -59,45 +36,15 @@ def check_unit(unit, examples_per_user, physical_batch_size):
 
 
 def check_users(model, users, num_examples):
-    """The `users` argument of `fit`: required (one id per example) at user
-    level, refused at example level. Returns the ids as an array, or None."""
-    if model.unit == "example":
-        if users is not None:
-            raise ValueError(
-                "DPModel.fit got users=, but this DPModel protects examples. "
-                "Build it with DPModel(..., unit='user', examples_per_user=k) "
-                "for a guarantee per user."
-            )
-        return None
-    if users is None:
-        raise ValueError(
-            "A DPModel with unit='user' needs fit(x, y, users=ids): one user "
-            "id per example, so that each step samples users."
-        )
-    users = np.asarray(users)
-    if users.ndim != 1 or len(users) != num_examples:
-        raise ValueError(
-            f"users must hold one id per example: got shape {users.shape} "
-            f"for {num_examples} examples."
-        )
-    return users
+    """`(users, U)` of `fit` (`privacy_unit.check_users`): the ids checked
+    and counted before any plan, or `(None, None)` at example level."""
+    return privacy_unit.check_users(model.unit, users, num_examples, "DPModel", "x, y")
 
 
-def num_users(users):
-    """U, the number of distinct ids."""
-    try:
-        return len(np.unique(users))
-    except TypeError as error:
-        raise ValueError(
-            f"users ids must be sortable values of one kind (ints or strings): {error}"
-        ) from None
-
-
-def schedule(model, users, batch_size):
-    """`(steps per epoch, Schedule.users(...))` of a fit over `users` with
-    `batch_size` expected users per step (None: every user every step);
-    an epoch is round(U / B_u) steps."""
-    count = num_users(users)
+def schedule(model, count, batch_size):
+    """`(steps per epoch, Schedule.users(...))` of a fit over `count` users
+    with `batch_size` expected users per step (None: every user every
+    step); an epoch is round(U / B_u) steps."""
     try:
         batch_size, steps = privacy_plan.example_batches(count, batch_size)
     except ValueError as error:

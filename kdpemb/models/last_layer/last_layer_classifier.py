@@ -411,9 +411,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
                 f"built for {self.head.kernel.shape[0]}; pass features of the "
                 "backbone it was trained on, or build a new LastLayerDPClassifier."
             )
-        users, num_users = last_layer_users.check_users(
-            self.unit, users, len(features), self.examples_per_user
-        )
+        users, num_users = last_layer_users.check_users(self.unit, users, len(features))
         if self._method.clips_gradients:  # The noise is z · clip_norm.
             scale, scale_name = self.clip_norm, "clip_norm"
         else:

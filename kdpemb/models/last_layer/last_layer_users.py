@@ -19,7 +19,7 @@ Example:
 
 >>> check_unit("user", 4)
 ('user', 4)
->>> users, count = check_users("user", np.array([7, 3, 7]), 3, 4)
+>>> users, count = check_users("user", np.array([7, 3, 7]), 3)
 >>> count
 2
 """
@@ -28,71 +28,20 @@ import warnings
 
 import numpy as np
 
-from kdpemb import _validation as validation
-from kdpemb.models._shared import backends
-
-UNITS = ("example", "user")
+from kdpemb.models._shared import backends, privacy_unit
 
 
 def check_unit(unit, examples_per_user):
-    """`(unit, examples_per_user)`: "user" needs the public cap k (a
-    positive int), "example" refuses it."""
-    if not isinstance(unit, str) or unit not in UNITS:
-        raise ValueError(
-            f"unit must be one of {UNITS}, got {unit!r}: 'user' protects all of "
-            "a person's examples, 'example' one example."
-        )
-    if unit == "example":
-        if examples_per_user is not None:
-            raise ValueError(
-                f"examples_per_user={examples_per_user!r} caps each user's "
-                "examples per step, for user-level privacy: build the "
-                "classifier with unit='user' (and fit(..., users=ids)), or "
-                "leave examples_per_user out."
-            )
-        return unit, None
-    if examples_per_user is None:
-        raise ValueError(
-            "unit='user' needs examples_per_user=k: the most examples of one "
-            "user a step averages into that user's contribution (a public "
-            "cap, e.g. 8; a user's other examples sit that step out)."
-        )
-    k = validation.check_positive_int(
-        examples_per_user,
-        "examples_per_user",
-        "It is k, the most examples of one user per step (e.g. 8).",
+    """`(unit, examples_per_user)` checked (`privacy_unit.check_unit`)."""
+    return privacy_unit.check_unit(unit, examples_per_user, "LastLayerDPClassifier")
+
+
+def check_users(unit, users, num_examples):
+    """`(users, U)` of `fit` (`privacy_unit.check_users`), or `(None, None)`
+    at example level."""
+    return privacy_unit.check_users(
+        unit, users, num_examples, "LastLayerDPClassifier", "features, labels"
     )
-    return unit, k
-
-
-def check_users(unit, users, num_examples, examples_per_user):
-    """`(users, U)`: the `users` of `fit` (one id per example) at user level,
-    `(None, None)` at example level, where `users` is refused."""
-    if unit == "example":
-        if users is not None:
-            raise ValueError(
-                "fit got users=, but this LastLayerDPClassifier protects "
-                "examples. Build it with LastLayerDPClassifier(..., "
-                "unit='user', examples_per_user=k) for a guarantee per user, "
-                "or leave users out."
-            )
-        return None, None
-    if users is None:
-        raise ValueError(
-            "A LastLayerDPClassifier with unit='user' needs fit(features, "
-            "labels, users=ids): one user id per example, so that each step "
-            "samples users and the guarantee is per user."
-        )
-    if hasattr(users, "__len__") and len(users) != num_examples:
-        raise ValueError(
-            f"users has {len(users)} ids but features has {num_examples} rows; "
-            "pass one user id per example."
-        )
-    from kdpemb.data.user_batches import UserIndices
-
-    # Checks the ids (one flat array of ints or strings) and counts them.
-    index = UserIndices(users, None, examples_per_user, steps=1, seed=0)
-    return np.asarray(users), index.num_users
 
 
 def sampler_batches(model, features, labels, users, batch_size, steps, epochs, seed):
