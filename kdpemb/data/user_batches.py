@@ -248,8 +248,9 @@ class UserBatches(UserIndices):
         features: array [N, ...].
         labels: array [N].
         users: array `(N,)`. The user of each example.
-        users_per_step, examples_per_user, steps, seed, padding, sampling,
-            multiple_of: as for `UserIndices`.
+        users_per_step, examples_per_user, steps, seed, padding: as for
+            `UserIndices`, as are its keyword arguments `sampling` and
+            `multiple_of`.
 
     Example:
 
