@@ -6,6 +6,9 @@
 - `private_state`: the step counter and the noise seeds;
 - `frozen_settings`, `optimizer_restore`: settings fixed at construction,
   an optimizer restored with its state;
+- `data_parallel`: the engines a DP-SGD step runs under, the devices a
+  batch splits over, each host's rows; `hosts_agreement`: what the hosts
+  of a multi-host job compare (models, settings, every step's batch);
 - `device_checks`, `device_rows`: the single-device check, training rows
   kept on the device;
 - `layer_taps`: the one walk over a model's layers, and taps on their

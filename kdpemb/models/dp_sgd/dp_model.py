@@ -27,10 +27,17 @@ from kdpemb import _validation as validation
 from kdpemb import privacy
 from kdpemb.datasets import inputs
 from kdpemb.models import backbone_checks
-from kdpemb.models._shared import backends, device_checks, privacy_plan, private_state
+from kdpemb.models._shared import (
+    backends,
+    data_parallel,
+    hosts_agreement,
+    privacy_plan,
+    private_state,
+)
 from kdpemb.models._shared.frozen_settings import FrozenSettings
 from kdpemb.models._shared.layer_taps import all_layers
 from kdpemb.models.dp_sgd import (
+    distributed_fit,
     gradient_accumulation,
     label_shapes,
     step_releases,
@@ -306,7 +313,7 @@ class DPModel(FrozenSettings, keras.Model):
         privacy_plan.refuse_fit_arguments(
             kwargs, (*privacy_plan.SAMPLING_ARGUMENTS, "shuffle"), "DPModel"
         )
-        device_checks.check_single_device("DPModel")
+        hosts = data_parallel.check_engine(self, "DPModel")
         _check_network(self.network)  # Layers may have been unfrozen since.
         if not self.compiled:
             raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
@@ -358,28 +365,17 @@ class DPModel(FrozenSettings, keras.Model):
         callbacks = privacy_plan.guard_epochs(
             self, callbacks, steps_per_epoch, epochs, initial_epoch, calibrated
         )
-        private_state.reseed(step_releases.seed_generators(self), self.seed)
+        randbits = hosts.shared_bits if hosts.count > 1 else None
+        private_state.reseed(step_releases.seed_generators(self), self.seed, randbits)
         self._denominator = float(schedule.sample_size)
-        seed = (
-            None
-            if self.seed is None
-            else [self.seed, protocol.read_private_steps(self)]
+        batches = distributed_fit.batches(
+            self, x, y, users, batch_size, steps_per_epoch, hosts, randbits
         )
-        from kdpemb.data.poisson_batches import PoissonBatches
-
-        physical = self.physical_batch_size or 1
-        padding = backends.current().BATCH_PADDING
-        if users is not None:
-            batches = user_level.batches(
-                self, x, y, users, batch_size, steps_per_epoch, seed, padding
-            )
-        else:
-            batches = PoissonBatches(
-                x, y, batch_size, steps_per_epoch, seed=seed, padding=padding,
-                sampling=self.sampling, multiple_of=physical,
-            )  # fmt: skip
+        batches, callbacks, kwargs, guard = distributed_fit.join_hosts(
+            self, batches, callbacks, kwargs, hosts, x, users
+        )
         try:
-            return super().fit(
+            history = super().fit(
                 batches,
                 epochs=epochs,
                 verbose=verbose,
@@ -392,6 +388,8 @@ class DPModel(FrozenSettings, keras.Model):
         finally:
             # The generators' state after the fit would regenerate their draws.
             private_state.reseed(step_releases.seed_generators(self), self.seed)
+        distributed_fit.check_aligned(guard)
+        return history
 
     def _build_for(self, x, y):
         """Builds the network and the compiled loss and metrics on two
@@ -476,25 +474,35 @@ class DPModel(FrozenSettings, keras.Model):
         return backends.current().train_step(self, args, self._dp_step)
 
     def _dp_step(self, data):
-        x, y, mask = data
-        engine = step_releases.step_engine(self, self._engine_for())
+        # On several hosts a fourth array carries each row's batch digest.
+        x, y, mask, *batch_id = data
+        plumbing = backends.current()
         network = self.network
         params = [v.value for v in network.trainable_variables]
         fixed = [v.value for v in network.non_trainable_variables]
-        fixed = step_releases.carry(self, fixed)
-        clipped, fixed = gradient_accumulation.accumulate(
-            engine, params, fixed, x, y, mask, self.physical_batch_size
-        )
-        fixed, losses = step_releases.uncarry(self, fixed)
+        clipped, losses, fixed = self._clipped_sums(x, y, mask, params, fixed)
         noise = gaussian_sum.gaussian_noise(
             clipped, self.noise_multiplier, self.noise_seed
         )
+        # Each device passes its clipped sum; the one that holds the noise
+        # adds it (the optimizer sums the replicas' gradients on TensorFlow;
+        # a JAX program is global, its share 1).
+        share = plumbing.noise_share()
         grads = [
-            (total + n) / self._denominator
+            (total + share * n) / self._denominator
             for total, n in zip(clipped.total, noise, strict=True)
         ]
-        grads = _add_weight_penalties(network, params, grads)
+        grads = _add_weight_penalties(network, params, grads, share)
         within_plan = self._within_plan()
+        aligned = hosts_agreement.aligned(batch_id[0]) if batch_id else None
+        if aligned is not None:
+            # Rows of different samples on different hosts: not the sampled
+            # batch the accounting assumes (an example could count twice).
+            within_plan = (
+                aligned
+                if within_plan is None
+                else ops.logical_and(within_plan, aligned)
+            )
         if within_plan is not None:
             # Past the plan (a callback changed the step count mid-fit, which
             # fit's checks cannot see): release nothing computed from the data
@@ -507,7 +515,48 @@ class DPModel(FrozenSettings, keras.Model):
             1 if within_plan is None else ops.cast(within_plan, "int32")
         )
         logs = {"private_steps": self.private_steps.value}
-        return {**logs, **step_releases.release(self, clipped, losses, within_plan)}
+        logs = {**logs, **step_releases.release(self, clipped, losses, within_plan)}
+        if aligned is not None:
+            logs["misaligned_hosts"] = 1 - ops.cast(aligned, "int32")
+        return plumbing.replica_logs(logs)
+
+    def _clipped_sums(self, x, y, mask, params, fixed):
+        """`(gradient ClippedSum, loss ClippedSum or None, new non-trainable
+        values)` of the batch: each device clips its rows, physical batch by
+        physical batch. The counts are summed over every device; the
+        gradient sum is this replica's on TensorFlow (Keras' optimizer adds
+        the replicas'), the global one on JAX."""
+        plumbing = backends.current()
+        engine = step_releases.step_engine(self, self._engine_for())
+        physical = self.physical_batch_size
+
+        def local(rows, shared):
+            x, y, mask = rows
+            params, fixed = shared
+            values = step_releases.carry(self, fixed)
+            clipped, values = gradient_accumulation.accumulate(
+                engine, params, values, x, y, mask, physical
+            )
+            fixed, losses = step_releases.uncarry(self, values)
+            sums = (clipped.total, clipped.count, clipped.num_nonfinite,
+                    clipped.num_within_clip)  # fmt: skip
+            if losses is not None:
+                sums += (losses.total[0], losses.count, losses.num_nonfinite)
+            return sums, fixed
+
+        sums, fixed = plumbing.split_over_devices(local, (x, y, mask), (params, fixed))
+        total, *counts = sums
+        count, nonfinite, within, *loss_sums = [plumbing.replica_sum(c) for c in counts]
+        clipped = gaussian_sum.ClippedSum(
+            total, engine.clip_norm, count, nonfinite, within
+        )
+        losses = None
+        if loss_sums:
+            loss_total, loss_count, loss_nonfinite = loss_sums
+            losses = gaussian_sum.ClippedSum(
+                [loss_total], self.noised_loss.bound, loss_count, loss_nonfinite
+            )
+        return clipped, losses, fixed
 
     def _within_plan(self):
         """With a `target_epsilon`, whether this step is within the plan (a
@@ -694,9 +743,10 @@ def _num_outputs(network):
     return None if width is None else int(width)
 
 
-def _add_weight_penalties(network, params, grads):
-    """Adds the gradients of weight regularizers: they do not read data, so
-    they need neither clipping nor noise."""
+def _add_weight_penalties(network, params, grads, share=1.0):
+    """Adds the gradients of weight regularizers (times `share`: one replica
+    adds them): they do not read data, so they need neither clipping nor
+    noise."""
     regularized = [
         (i, v.regularizer)
         for i, v in enumerate(network.trainable_variables)
@@ -716,5 +766,5 @@ def _add_weight_penalties(network, params, grads):
     _, extra = backend.value_and_grad(penalty)([params[i] for i in indices])
     grads = list(grads)
     for i, g in zip(indices, extra, strict=True):
-        grads[i] = grads[i] + ops.cast(g, grads[i].dtype)
+        grads[i] = grads[i] + share * ops.cast(g, grads[i].dtype)
     return grads

@@ -60,15 +60,17 @@ def schedule(model, count, batch_size):
     )  # fmt: skip
 
 
-def batches(model, x, y, users, batch_size, steps, seed, padding):
-    """The fit's `UserBatches`: slots of k rows per sampled user."""
+def batches(model, x, y, users, batch_size, steps, seed, padding, devices=1):
+    """The fit's `UserBatches`: slots of k rows per sampled user, as many
+    slots as fill whole physical batches on each of `devices`."""
     from kdpemb.data.user_batches import UserBatches
 
     k = model.examples_per_user
     physical = model.physical_batch_size
+    slots = devices * (physical // k if physical else 1)
     return UserBatches(
         x, y, users, batch_size, k, steps, seed=seed, padding=padding,
-        sampling=model.sampling, multiple_of=physical // k if physical else 1,
+        sampling=model.sampling, multiple_of=slots,
     )  # fmt: skip
 
 

@@ -27,16 +27,16 @@ drawn once per round: by the one global program on JAX, by the replica
 that holds replica 0 on TensorFlow (`backends.noise_share`).
 """
 
-import hashlib
 import json
 
 import keras
-import numpy as np
 
 from kdpemb import distribute
 from kdpemb.errors import HostsDisagreeError
-from kdpemb.models._shared import plan_resume
+from kdpemb.models._shared import hosts_agreement, plan_resume
 from kdpemb.privacy import ledger, protocol
+
+variables_digest = hosts_agreement.variables_digest
 
 
 def check_fit(model, x, clients, kwargs, hosts):
@@ -147,23 +147,6 @@ def _check_jax_distribution(hosts):
         )
 
 
-def variables_digest(model):
-    """A digest of every variable of `model` (weights, seeds,
-    `private_steps`, and the server optimizer's state once it is built) by
-    position, shape, dtype and value, to compare across hosts (Keras'
-    generated names may differ between processes)."""
-    digest = hashlib.blake2b(digest_size=32)
-    variables = list(model.variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
-        variables += list(optimizer.variables)
-    for position, variable in enumerate(variables):
-        value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value))
-        digest.update(repr((position, value.shape, str(value.dtype))).encode())
-        digest.update(value.tobytes())
-    return digest.digest()
-
-
 def settings_digest(model):
     """What the model releases and how it is accounted, to compare across
     hosts: its mechanism's parameters and its configuration (without the
@@ -187,7 +170,7 @@ def settings_digest(model):
     return json.dumps(settings, sort_keys=True, default=repr)
 
 
-class HostsGuard(keras.callbacks.Callback):
+class HostsGuard(hosts_agreement.HostsGuard):
     """After the user's callbacks (kdpemb's own guards follow it). Once
     they have begun (a backup may have been restored), refuses hosts whose
     models, privacy settings or starting epoch differ, before the first
@@ -196,24 +179,11 @@ class HostsGuard(keras.callbacks.Callback):
     raises)."""
 
     def __init__(self, hosts):
-        super().__init__()
-        self.hosts = hosts
-        self.misaligned_rounds = 0
+        super().__init__(hosts, settings_digest)
 
-    def on_train_begin(self, logs=None):
-        model = self.model
-        self.hosts.check_agree(
-            {
-                "model variables": variables_digest(model),
-                "privacy settings": settings_digest(model),
-                "initial epoch": repr(getattr(model, "_initial_epoch", None)),
-            }
-        )
-
-    def on_train_batch_end(self, batch, logs=None):
-        if logs and float(np.max(logs.get("misaligned_hosts", 0))) > 0:
-            self.misaligned_rounds += 1
-            self.model.stop_training = True
+    @property
+    def misaligned_rounds(self):
+        return self.misaligned_steps
 
 
 def check_rounds_aligned(guard):

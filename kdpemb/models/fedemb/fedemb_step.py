@@ -6,7 +6,7 @@ round release nothing (past the plan, mixed hosts, not of the epoch)."""
 import keras
 from keras import ops
 
-from kdpemb.models._shared import backends
+from kdpemb.models._shared import backends, hosts_agreement
 from kdpemb.models.fedemb import fedemb_checks, fedemb_privacy, fedemb_round
 from kdpemb.privacy import gaussian_sum, quantile_clip, tree_noise
 
@@ -175,17 +175,7 @@ def aligned_hosts(model, data):
     counted, and `fit` raises after it."""
     if "round_index" not in data:
         return None
-    plumbing = backends.current()
-    index = ops.cast(data["round_index"], "int32")
-    low, high = ops.min(index), ops.max(index)
-    # JAX: the rows of every host are one global array. TensorFlow: each
-    # replica's low must equal the mean low over the replicas.
-    replicas = plumbing.replica_sum(ops.ones((), "int32"))
-    differs = ops.logical_or(
-        ops.not_equal(low, high),
-        ops.not_equal(plumbing.replica_sum(low), replicas * low),
-    )
-    return ops.equal(plumbing.replica_sum(ops.cast(differs, "int32")), 0)
+    return hosts_agreement.aligned(data["round_index"])
 
 
 def aligned_epoch(model, data, hosts_aligned=None):

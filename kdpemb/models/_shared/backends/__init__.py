@@ -19,6 +19,8 @@ differ between backends live here, the way Keras splits its own trainers:
 - `sum_over_devices(fn, rows, shared)`: `fn` on each device's share of
   a round's rows, summed over the devices (`shard_map` on JAX; the
   strategy's replicas already hold their own rows on TensorFlow).
+- `split_over_devices(fn, rows, shared)`: the same for `fn` returning
+  `(summed, kept)`: `kept` (alike on every device) is not summed.
 - `noise_share()`: 1 on the one replica that adds the round's noise, 0 on
   the others, so that summing the replicas' updates adds it exactly once.
 - `replica_logs(logs)`: the train step's logs in the form Keras reduces

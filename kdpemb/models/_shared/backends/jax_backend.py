@@ -61,6 +61,15 @@ def sum_over_devices(fn, rows, shared):
     XLA's partitioner, given the whole vectorised round, computes every
     client's convolutions on every device; `shard_map` makes each device
     train only its rows, as a TensorFlow replica does."""
+    summed, _ = split_over_devices(lambda r, s: (fn(r, s), ()), rows, shared)
+    return summed
+
+
+def split_over_devices(fn, rows, shared):
+    """`(summed, kept)` of `fn(rows, shared) -> (summed, kept)` run by each
+    device on its share of `rows` (as `sum_over_devices`): `summed` added
+    over the devices, `kept` the value every device computes alike (the
+    network's seed states), taken as is."""
     distribution = keras.distribution.distribution()
     if distribution is None or distribution.device_mesh.devices.size == 1:
         return fn(rows, shared)
@@ -68,7 +77,8 @@ def sum_over_devices(fn, rows, shared):
     spec = jax.sharding.PartitionSpec
 
     def local(rows, shared):
-        return jax.tree.map(lambda x: jax.lax.psum(x, axis), fn(rows, shared))
+        summed, kept = fn(rows, shared)
+        return jax.tree.map(lambda x: jax.lax.psum(x, axis), summed), kept
 
     mapped = _shard_map(
         local,

@@ -1,0 +1,194 @@
+"""Data parallelism of the DP-SGD trainers: which engines they run under,
+over how many devices a logical batch splits, and each host's rows.
+
+`DPModel` (and the DP-SGD head of `LastLayerDPClassifier`) run one step
+over every device of every host: each device clips the examples of its
+share of the logical batch, the clipped sums are added over the devices,
+and the noise is drawn once (`backends.noise_share`). What that needs
+from the engine is checked here, once for both trainers:
+
+- TensorFlow: the model built in the scope of a `MirroredStrategy`,
+  `MultiWorkerMirroredStrategy` (one replica per worker) or `TPUStrategy`
+  (or no strategy); Keras splits each batch over the replicas.
+- JAX: no distribution, or `keras.distribution.DataParallel` over every
+  device (of every process); `DataParallel(auto_shard_dataset=False)` on
+  several processes, whose rows each host serves itself.
+
+A logical batch is padded to a multiple of the devices (times the
+physical batch), so that every device holds whole physical batches (and,
+at user level, whole users).
+
+Example:
+
+>>> device_count(None)  # No strategy, no distribution: one device.
+1
+"""
+
+import hashlib
+
+import keras
+import numpy as np
+
+from kdpemb import distribute
+
+TF_STRATEGIES = ("MirroredStrategy", "MultiWorkerMirroredStrategy", "TPUStrategy")
+
+
+def strategy_of(model):
+    """The model's `tf.distribute` strategy (TensorFlow), or None."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return strategy
+
+
+def device_count(model):
+    """The devices (replicas) over which one logical batch of `model` is
+    split, on every host together: 1 without a strategy or distribution."""
+    strategy = strategy_of(model)
+    if strategy is not None:
+        return int(strategy.num_replicas_in_sync)
+    if keras.backend.backend() == "jax":
+        distribution = keras.distribution.distribution()
+        if distribution is not None:
+            return int(distribution.device_mesh.devices.size)
+    return 1
+
+
+def check_engine(model, owner):
+    """Refuses, before any step, an engine under which `owner`'s step would
+    not be one sum over the devices with the noise added once; returns
+    this job's `Hosts` (`kdpemb.distribute`)."""
+    strategy = strategy_of(model)
+    if strategy is not None and strategy.num_replicas_in_sync > 1:
+        name = type(strategy).__name__
+        if not any(name.startswith(known) for known in TF_STRATEGIES):
+            raise ValueError(
+                f"{owner} runs under MirroredStrategy, "
+                f"MultiWorkerMirroredStrategy or TPUStrategy; {name} would "
+                "update the weights outside the step that adds the noise. "
+                "Build and fit the model in one of those strategies' scope."
+            )
+    if keras.backend.backend() == "jax":
+        _check_jax_distribution(owner)
+    hosts = distribute.current_hosts(model)
+    if hosts.count > 1 and keras.backend.backend() == "tensorflow":
+        replicas = distribute.local_device_count(model)
+        if replicas != 1:
+            raise ValueError(
+                f"This worker holds {replicas} replicas of the "
+                f"MultiWorkerMirroredStrategy; {owner} on several workers "
+                "supports one replica per worker. Start one worker process per "
+                "accelerator (e.g. with CUDA_VISIBLE_DEVICES=<i> and a "
+                "TF_CONFIG entry each)."
+            )
+    if hosts.count > 1:
+        steps = int(getattr(model, "steps_per_execution", 1) or 1)
+        if steps != 1:
+            raise ValueError(
+                f"steps_per_execution={steps}: on several hosts {owner} checks "
+                "after each step that every host served the same batch; "
+                "compile it with steps_per_execution=1."
+            )
+    return hosts
+
+
+def _check_jax_distribution(owner):
+    import jax
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        raise ValueError(
+            f"{owner} splits each batch over the devices of a "
+            "keras.distribution.DataParallel; "
+            f"{type(distribution).__name__} would shard the weights, which "
+            "per-example clipping does not support. Set "
+            "keras.distribution.DataParallel() instead."
+        )
+    devices = int(distribution.device_mesh.devices.size)
+    if devices != jax.device_count():
+        raise ValueError(
+            f"The DataParallel mesh spans {devices} of the {jax.device_count()} "
+            f"devices; {owner} sums each step over a mesh of every device: "
+            "build it with keras.distribution.DataParallel() (all devices)."
+        )
+    if jax.process_count() > 1 and distribution.auto_shard_dataset:
+        raise ValueError(
+            f"On {jax.process_count()} processes each host serves its own rows "
+            f"of every batch of {owner}: build the distribution with "
+            "keras.distribution.DataParallel(auto_shard_dataset=False)."
+        )
+
+
+class HostBatches(keras.utils.PyDataset):
+    """This host's rows of every batch of `batches` (a `PoissonBatches` or
+    `UserBatches`, drawing the same samples on every host): the leading
+    axis split into `hosts.count` equal parts, in host order, and only
+    those rows read. A fourth array gives every row the batch's digest
+    (of the whole sample), which the step compares across hosts
+    (`hosts_agreement.aligned`): a host out of step makes a batch that
+    releases nothing."""
+
+    def __init__(self, batches, hosts):
+        super().__init__()
+        self.batches, self.hosts = batches, hosts
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        indices, mask = self.batches.sample(index)
+        count = self.hosts.count
+        if len(indices) % count:
+            raise ValueError(
+                f"A batch of {len(indices)} rows does not split over {count} hosts."
+            )
+        share = len(indices) // count
+        rows = slice(self.hosts.index * share, (self.hosts.index + 1) * share)
+        digest = hashlib.blake2b(digest_size=4)
+        digest.update(np.ascontiguousarray(indices).tobytes())
+        digest.update(np.ascontiguousarray(mask).tobytes())
+        batch_id = int.from_bytes(digest.digest(), "big") >> 1  # Fits int32.
+        mine = indices[rows]
+        return (
+            self.batches.features[mine],
+            self.batches.labels[mine],
+            mask[rows],
+            np.full(share, batch_id, np.int32),
+        )
+
+    def to_tf_dataset(self):
+        """The batches as a `tf.data.Dataset`, repeated (an epoch is
+        `len(self)` of them)."""
+        import tensorflow as tf
+
+        first = self[0]  # The shapes and dtypes (a draw that is not used).
+        signature = tuple(
+            tf.TensorSpec((None, *np.shape(a)[1:]), tf.as_dtype(np.asarray(a).dtype))
+            for a in first
+        )
+
+        def batches():
+            while True:
+                for index in range(len(self)):
+                    yield self[index]
+
+        return tf.data.Dataset.from_generator(batches, output_signature=signature)
+
+
+def distribute_host_batches(model, batches):
+    """What `fit` is given for `batches` (`HostBatches`): itself on JAX
+    (each process passes its rows, `auto_shard_dataset=False`); on
+    TensorFlow each worker's own dataset, so that the strategy does not
+    shard batches over the workers."""
+    if keras.backend.backend() != "tensorflow":
+        return batches
+    return strategy_of(model).distribute_datasets_from_function(
+        lambda context: batches.to_tf_dataset()
+    )
