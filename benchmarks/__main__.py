@@ -6,7 +6,8 @@ Usage:
     python -m benchmarks all --quick         # every benchmark, smaller sizes
     python -m benchmarks fedemb --quick      # DP-FedEmb utility and speed, smoke
     python -m benchmarks dp_sgd --quick      # DPModel against non-private steps
-    python -m benchmarks scale --quick       # a round on 1, 2, 4 processes
+    python -m benchmarks scale --quick       # a round on 1, 2, 4 processes,
+                                             # DPModel on 1 and 2 devices
     python -m benchmarks user_level --quick  # user-level DP against group privacy
 """
 

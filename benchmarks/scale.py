@@ -1,6 +1,7 @@
-"""Scaling out: one round over 1, 2 and 4 processes; reader memory; GPU.
+"""Scaling out: one round over 1, 2 and 4 processes; reader memory; GPU;
+DP-SGD on 1 and 2 devices.
 
-Three parts, each against a baseline measured in the same run:
+Four parts, each against a baseline measured in the same run:
 
 1. **Round throughput over local processes** (`throughput()`, CPU). One
    fixed DP-FedEmb round — the same M_max client rows (every row a full
@@ -40,12 +41,18 @@ Three parts, each against a baseline measured in the same run:
 3. **GPU** (`gpu()`): where the backend sees a GPU, `benchmarks.fedemb.
    speed()`'s ratio of a round's examples/s to centralized training at
    the same total batch (goal >= 0.5); "no GPU" otherwise.
+4. **DP-SGD on several devices** (`dp_model()`): `DPModel` steps/s and
+   examples/s on 1 device and on 2 (TensorFlow: logical CPU devices and
+   `MirroredStrategy`; JAX: `--xla_force_host_platform_device_count=2`
+   and `DataParallel`), each job a process of its own; on 1 GPU and on
+   all where there are 2+ (`benchmarks.scale_dp_model`).
 
 Usage:
 
-    python -m benchmarks scale [--quick] [--json]    # all three parts
+    python -m benchmarks scale [--quick] [--json]    # all four parts
     python -m benchmarks.scale [--quick] [PART]      # PART: all, throughput,
-                                                     # reader, gpu; as JSON
+                                                     # reader, gpu, dp_model;
+                                                     # as JSON
 
 No figure is asserted: timings on a shared machine vary; compare the
 ratios of one run.
@@ -509,21 +516,35 @@ def gpu(quick=False):
     return {"figures": figures, "ratios": {key: result["ratios"][key]}}
 
 
+# ------------------------------------------------- DP-SGD on devices --
+
+
+def dp_model(quick=False):
+    """`DPModel` on 1 and 2 devices (`benchmarks.scale_dp_model`)."""
+    from benchmarks import scale_dp_model
+
+    return scale_dp_model.run(quick)
+
+
 def run(quick=False):
-    """All three parts; see the module docstring."""
+    """All four parts; see the module docstring."""
     config = QUICK if quick else ScaleConfig()
-    parts = [throughput(config=config), reader(config=config), gpu(quick)]
+    # DP-SGD before the GPU part: its jobs start before this process has
+    # initialised a GPU.
+    parts = [throughput(config=config), reader(config=config), dp_model(quick)]
+    parts.append(gpu(quick))
     return {
         "figures": {k: v for part in parts for k, v in part["figures"].items()},
         "ratios": {k: v for part in parts for k, v in part["ratios"].items()},
         "config": dataclasses.asdict(config),
+        "dp_model_config": parts[2]["config"],
     }
 
 
 def main(argv=None):
     """`python -m benchmarks.scale [--quick] [PART]`, as JSON.
 
-    PART: all (default), throughput, reader, gpu.
+    PART: all (default), throughput, reader, gpu, dp_model.
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["--worker"] and len(args) == 2:
@@ -536,6 +557,7 @@ def main(argv=None):
         "throughput": lambda: throughput(quick),
         "reader": lambda: reader(quick),
         "gpu": lambda: gpu(quick),
+        "dp_model": lambda: dp_model(quick),
     }
     if len(args) > 1 or (args and args[0] not in parts):
         print(main.__doc__)

@@ -49,7 +49,6 @@ MOVED_MODULES = {
             "backends.jax_backend": "_shared.backends.jax_backend",
             "backends.tensorflow_backend": "_shared.backends.tensorflow_backend",
             "layer_taps": "_shared.layer_taps",
-            "device_checks": "_shared.device_checks",
             "device_rows": "_shared.device_rows",
             "frozen_settings": "_shared.frozen_settings",
             "optimizer_restore": "_shared.optimizer_restore",

@@ -59,6 +59,13 @@ def extract(
     a stream at its first such batch. Rows with NaN or infinite features
     raise (`NonFiniteFeaturesError`) instead of feeding a DP fit.
 
+    On several devices of one host (a backbone built in a `tf.distribute`
+    strategy's scope, or a JAX `keras.distribution` set) each batch is
+    split into equal shares, one per device, padded with copies of its
+    last image whose features are dropped: the same features as on one
+    device. A job of several hosts is refused (extract on each host
+    without the distribution, or on one).
+
     Which `data` gives what:
 
     - a NumPy array `(N, ...)` of images (or an array-like with `shape`,
@@ -214,6 +221,7 @@ class _BackboneSpec:
                 "call it once on a batch of images."
             )
         self.model = backbone
+        self.devices = _Devices(backbone)
         self.input_shape = self.input_dtype = None
         inputs = _optional_attribute(backbone, "inputs")
         if inputs is not None:
@@ -261,8 +269,9 @@ class _BackboneSpec:
         inputs.check_input_shape(self.input_shape, shape, where, stream=stream)
 
     def run(self, images, where, first):
+        padded = self.devices.pad(images)
         try:
-            output = self.model.predict_on_batch(images)
+            output = self.devices.predict(padded)
         except Exception as error:
             if self.input_shape is not None or not first:
                 raise
@@ -281,13 +290,100 @@ class _BackboneSpec:
             )
         output = np.asarray(output)
         self.check_output_shape(output.shape)
-        if output.shape[0] != images.shape[0]:
+        if output.shape[0] != padded.shape[0]:
             raise ValueError(
                 f"The backbone returned {output.shape[0]} rows of features for "
-                f"{images.shape[0]} images ({where}); it must map each image to "
+                f"{padded.shape[0]} images ({where}); it must map each image to "
                 "one row."
             )
-        return output.astype(np.float32, copy=False)
+        return output[: len(images)].astype(np.float32, copy=False)
+
+
+class _Devices:
+    """Where the backbone runs: one device (`predict_on_batch`), or each
+    batch split into equal shares over the replicas of the backbone's
+    `tf.distribute` strategy, or over the devices of the JAX
+    `keras.distribution` (a batch sharded along its rows); one host only."""
+
+    def __init__(self, backbone):
+        from kdpemb import distribute
+
+        self.model, self.strategy, self.count = backbone, None, 1
+        self._replicas_run = None
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            # Keras' own choice: the scope the backbone was built in, or
+            # the one open now.
+            strategy = getattr(backbone, "_distribute_strategy", None)
+            if strategy is None and tf.distribute.has_strategy():
+                strategy = tf.distribute.get_strategy()
+            if strategy is not None and strategy.num_replicas_in_sync > 1:
+                self.strategy, self.count = strategy, strategy.num_replicas_in_sync
+        elif keras.backend.backend() == "jax":
+            distribution = keras.distribution.distribution()
+            if distribution is not None:
+                self.count = int(distribution.device_mesh.devices.size)
+        if self.count == 1:
+            return
+        hosts = distribute.current_hosts(backbone).count
+        if hosts > 1:
+            engine = (
+                "no tf.distribute strategy (build the backbone outside its scope)"
+                if self.strategy is not None
+                else "no keras.distribution set"
+            )
+            raise ValueError(
+                f"extract splits each batch over the devices of one host, but "
+                f"this job spans {hosts} hosts: extract each host's images with "
+                f"{engine}, or on one host, then fit on the features."
+            )
+
+    def pad(self, images):
+        """`images` and copies of its last image, a multiple of the devices."""
+        extra = -len(images) % self.count
+        if not extra:
+            return images
+        return np.concatenate([images, np.repeat(images[-1:], extra, axis=0)])
+
+    def predict(self, images):
+        """The backbone's output on `images` (rows a multiple of the devices)."""
+        if self.count == 1:
+            return self.model.predict_on_batch(images)
+        if self.strategy is not None:
+            return self._replicas_predict(images)
+        import jax
+
+        layout = keras.distribution.distribution().get_data_layout(images.shape)
+        # Sharded along the rows: each device runs the backbone on its own.
+        sharded = jax.device_put(images, layout.backend_layout)
+        return self.model.predict_on_batch(sharded)
+
+    def _replicas_predict(self, images):
+        """TensorFlow: replica i runs `predict_step` on the i-th share of
+        `images` (Keras' `predict_on_batch` would give every replica the
+        whole batch and return each row once per replica)."""
+        import tensorflow as tf
+
+        strategy, share = self.strategy, len(images) // self.count
+        if self._replicas_run is None:
+
+            def run(values):
+                outputs = strategy.run(
+                    lambda x: self.model.predict_step((x,)), args=(values,)
+                )
+                return tf.nest.map_structure(
+                    lambda o: tf.concat(strategy.experimental_local_results(o), 0),
+                    outputs,
+                )
+
+            self._replicas_run = tf.function(run)  # A trace per batch shape.
+        values = strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(
+                images[context.replica_id_in_sync_group * share :][:share]
+            )
+        )
+        return tf.nest.map_structure(np.asarray, self._replicas_run(values))
 
 
 # Computing.

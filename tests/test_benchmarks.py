@@ -498,3 +498,64 @@ def test_the_user_level_benchmark_caps_each_user_at_k_seeded_examples():
     kept, counts = np.unique(users[keep], return_counts=True)
     assert kept.tolist() == [1, 2, 3] and counts.tolist() == [2, 4, 4]
     assert not np.array_equal(keep, cap_per_user(users, 4, seed=1))
+
+
+@pytest.mark.slow
+def test_scale_benchmark_times_dp_model_on_one_device_then_two_then_one():
+    # Three fresh processes of the current backend (quick sizes); the
+    # two-device job must really split each batch over two devices.
+    import os
+
+    from benchmarks import scale
+    from benchmarks import scale_dp_model as part
+
+    result = scale.dp_model(quick=True)
+    config, reports = part.QUICK, result["reports"]
+    labels = ["1 device", "2 devices", "1 device (again, last)"]
+    assert [label for label in reports if not label.startswith("GPU")] == labels
+    assert [reports[label]["devices"] for label in labels] == [1, 2, 1]
+    figures, ratios = result["figures"], result["ratios"]
+    for label in labels:
+        report = reports[label]
+        assert report["device_kinds"] in (["CPU"], ["cpu"])
+        assert report["steps"] == config.steps
+        assert report["private_steps"] == config.warmup_steps + config.steps
+        numbers = [figures[f"DPModel CPU {label}: {m}"] for m in (
+            "steps/s", "examples/s", "steps/s, every timed step",
+            "first step incl. compile (s)")]  # fmt: skip
+        assert all(math.isfinite(n) and n > 0 for n in numbers)
+        assert numbers[1] == pytest.approx(config.batch_size * numbers[0])
+    first, again = (reports[label]["steps_per_second"] for label in labels[::2])
+    assert ratios["DPModel CPU 1 device: last / first steps/s (load drift)"] == (
+        pytest.approx(again / first)
+    )
+    two = ratios["DPModel CPU steps/s, 2 devices / 1 device"]
+    assert two == pytest.approx(
+        reports["2 devices"]["steps_per_second"] / ((first + again) / 2)
+    )
+    assert "Poisson B=16" in figures["DPModel setting"]
+    gpus = part.gpu_count(os.environ.get("KERAS_BACKEND", "tensorflow"))
+    if gpus < 2:
+        says = "no GPU" if gpus == 0 else "one GPU"
+        assert figures["DPModel GPU"] == ratios[
+            "DPModel GPU steps/s, all GPUs / 1 GPU"] == says  # fmt: skip
+    # The XLA flags of the jobs: two host devices for two, none for one.
+    flags = "--o=1 --xla_force_host_platform_device_count=8"
+    assert part._xla_flags(flags, 1) == "--o=1"
+    assert part._xla_flags(None, 2) == "--xla_force_host_platform_device_count=2"
+
+
+def test_scale_benchmark_runs_the_dp_model_part_with_the_others(monkeypatch):
+    from benchmarks import scale
+
+    def part(name):
+        return lambda *args, **kwargs: {
+            "figures": {name: 1.0}, "ratios": {f"{name} ratio": 2.0},
+            "config": {"part": name}}  # fmt: skip
+
+    for name in ("throughput", "reader", "gpu", "dp_model"):
+        monkeypatch.setattr(scale, name, part(name))
+    result = scale.run(quick=True)
+    assert list(result["figures"]) == ["throughput", "reader", "dp_model", "gpu"]
+    assert result["ratios"]["dp_model ratio"] == 2.0
+    assert result["dp_model_config"] == {"part": "dp_model"}

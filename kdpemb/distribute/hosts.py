@@ -205,10 +205,11 @@ class Hosts:
             raise HostsDisagreeError(
                 f"The {self.count} hosts do not agree on {', '.join(differing)} "
                 f"({details}). Every host must run the same script on the same "
-                "data index and weights: build VirtualClients with seed=None "
-                "(the chief's seed is shared) from the same UserShards "
-                "directory, and load the same weights (or restore the same "
-                "backup) on every host. Nothing was trained."
+                "data and weights: the same x, y (and users) for DPModel; for "
+                "FedEmbModel, VirtualClients with seed=None (the chief's seed "
+                "is shared) from the same UserShards directory; and the same "
+                "weights (or the same backup restored) on every host. Nothing "
+                "was trained."
             )
 
 

@@ -95,8 +95,10 @@ def read_private_steps(model):
     On JAX the model's variables are only synced at train begin and at
     epoch boundaries; read it there (mid-epoch it may be stale or purged).
     """
-    value = model.private_steps
-    steps = int(np.asarray(getattr(value, "value", value)))
+    value = getattr(model.private_steps, "value", model.private_steps)
+    # A tf.distribute variable read in its strategy's scope refuses
+    # `np.asarray` ("__array__ method not producing an array"); `numpy()` works.
+    steps = int(np.asarray(value.numpy() if hasattr(value, "numpy") else value))
     if steps < 0:
         raise ValueError(f"{type(model).__name__}.private_steps is negative: {steps}.")
     return steps

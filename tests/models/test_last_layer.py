@@ -275,7 +275,7 @@ def test_poisson_dp_sgd_divides_by_the_expected_batch_size_and_pads_overflows(
     if gathered_on == "host":
         assert any(0 < size < width for size, width in pairs)
         assert all(width % 128 == 0 for size, width in pairs if size > 10)
-    elif backends.current().BATCH_PADDING == "multiple":
+    elif backends.current().batch_padding(model) == "multiple":
         # A power of two >= 2σ, σ² = 30 · 1/3 · 2/3, and at least 8.
         assert all(width == 8 * max(1, math.ceil(size / 8)) for size, width in pairs)
     else:

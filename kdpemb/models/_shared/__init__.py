@@ -9,8 +9,7 @@
 - `data_parallel`: the engines a DP-SGD step runs under, the devices a
   batch splits over, each host's rows; `hosts_agreement`: what the hosts
   of a multi-host job compare (models, settings, every step's batch);
-- `device_checks`, `device_rows`: the single-device check, training rows
-  kept on the device;
+- `device_rows`: training rows kept on the device;
 - `layer_taps`: the one walk over a model's layers, and taps on their
   outputs;
 - `backends`: per-backend gradient and replica plumbing.

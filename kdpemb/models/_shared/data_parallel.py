@@ -66,13 +66,28 @@ def check_engine(model, owner):
     strategy = strategy_of(model)
     if strategy is not None and strategy.num_replicas_in_sync > 1:
         name = type(strategy).__name__
-        if not any(name.startswith(known) for known in TF_STRATEGIES):
+        if not _known_strategy(strategy, name):
             raise ValueError(
                 f"{owner} runs under MirroredStrategy, "
                 f"MultiWorkerMirroredStrategy or TPUStrategy; {name} would "
                 "update the weights outside the step that adds the noise. "
                 "Build and fit the model in one of those strategies' scope."
             )
+        if (
+            getattr(model, "jit_compile", False) is True
+            and not name.startswith("TPUStrategy")
+            and distribute.local_device_count(model) > 1
+        ):
+            raise ValueError(
+                f"{owner} was compiled with jit_compile=True under {name} over "
+                f"{distribute.local_device_count(model)} local devices: XLA "
+                "compiles the step for one device, which cannot read the other "
+                "replicas' copies of the variables (a plain Keras model fails its "
+                "first step so too; Keras issue #19005). Compile it with "
+                "jit_compile=False."
+            )
+    if keras.backend.backend() == "tensorflow":
+        _check_variables_in_scope(model, strategy, owner)
     if keras.backend.backend() == "jax":
         _check_jax_distribution(owner)
     hosts = distribute.current_hosts(model)
@@ -95,6 +110,30 @@ def check_engine(model, owner):
                 "compile it with steps_per_execution=1."
             )
     return hosts
+
+
+def _check_variables_in_scope(model, strategy, owner):
+    """Refuses variables of another strategy than the model's (a network
+    built in a strategy's scope, wrapped outside it, or the reverse)."""
+    for variable in model.variables:
+        theirs = getattr(variable.value, "_distribute_strategy", None)
+        if theirs is not None and theirs is not strategy:
+            raise ValueError(
+                f"{owner}'s variable {variable.path!r} belongs to another "
+                f"tf.distribute strategy ({type(theirs).__name__}) than the "
+                f"model's ({type(strategy).__name__ if strategy else 'none'}): "
+                "build the network, the model and its compile() all in one "
+                "`with strategy.scope():` block."
+            )
+
+
+def _known_strategy(strategy, name):
+    import tensorflow as tf
+
+    # MultiWorkerMirroredStrategy's class is CollectiveAllReduceStrategy.
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return True
+    return any(name.startswith(known) for known in TF_STRATEGIES)
 
 
 def _check_jax_distribution(owner):
@@ -174,21 +213,24 @@ class HostBatches(keras.utils.PyDataset):
             for a in first
         )
 
-        def batches():
-            while True:
-                for index in range(len(self)):
-                    yield self[index]
+        return tf.data.Dataset.from_generator(self.repeated, output_signature=signature)
 
-        return tf.data.Dataset.from_generator(batches, output_signature=signature)
+    def repeated(self):
+        """The batches, epoch after epoch (an epoch is `len(self)` of
+        them), as a generator."""
+        while True:
+            for index in range(len(self)):
+                yield self[index]
 
 
 def distribute_host_batches(model, batches):
-    """What `fit` is given for `batches` (`HostBatches`): itself on JAX
-    (each process passes its rows, `auto_shard_dataset=False`); on
-    TensorFlow each worker's own dataset, so that the strategy does not
+    """What `fit` is given for `batches` (`HostBatches`): on JAX its
+    batches as a generator (each process passes its rows,
+    `auto_shard_dataset=False`; a `PyDataset` may not yield four arrays);
+    on TensorFlow each worker's own dataset, so that the strategy does not
     shard batches over the workers."""
     if keras.backend.backend() != "tensorflow":
-        return batches
+        return batches.repeated()
     return strategy_of(model).distribute_datasets_from_function(
         lambda context: batches.to_tf_dataset()
     )

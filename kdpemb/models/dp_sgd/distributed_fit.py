@@ -39,7 +39,12 @@ def batches(model, x, y, users, batch_size, steps, hosts, randbits):
     else:
         seed = None if randbits is None else randbits(128)
     devices = data_parallel.device_count(model)
-    padding = backends.current().BATCH_PADDING
+    padding = backends.current().batch_padding(model)
+    if hosts.count > 1:
+        # One batch shape on every host (w.p. 1 - 1e-9), whatever the
+        # sample: a JAX global array of differently shaped local parts is
+        # undefined, so a host out of step must still reach the step's check.
+        padding = "bound"
     if users is not None:
         return user_level.batches(
             model, x, y, users, batch_size, steps, seed, padding, devices
@@ -63,6 +68,20 @@ def join_hosts(model, batches, callbacks, kwargs, hosts, x, users):
     kwargs = {**kwargs, "steps_per_epoch": len(host_batches)}
     fed = data_parallel.distribute_host_batches(model, host_batches)
     return fed, callbacks, kwargs, guard
+
+
+def build_optimizer(model):
+    """Before the first step on TensorFlow under a strategy: Keras would
+    read a batch (a sample lost) and average it over the replicas (which
+    fails on several workers) to build what is unbuilt. `fit` built the
+    network, loss and metrics; the optimizer is built in the strategy's
+    scope."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None:  # Keras builds nothing here without a strategy.
+        return
+    with strategy.scope():
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
 
 
 def check_aligned(guard):

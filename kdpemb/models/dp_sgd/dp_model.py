@@ -30,7 +30,6 @@ from kdpemb.models import backbone_checks
 from kdpemb.models._shared import (
     backends,
     data_parallel,
-    hosts_agreement,
     privacy_plan,
     private_state,
 )
@@ -38,7 +37,7 @@ from kdpemb.models._shared.frozen_settings import FrozenSettings
 from kdpemb.models._shared.layer_taps import all_layers
 from kdpemb.models.dp_sgd import (
     distributed_fit,
-    gradient_accumulation,
+    dp_step,
     label_shapes,
     step_releases,
     user_level,
@@ -49,7 +48,7 @@ from kdpemb.models.dp_sgd.clipped_gradients import (
     logger,
     plan_gradients,
 )
-from kdpemb.privacy import gaussian_sum, protocol
+from kdpemb.privacy import protocol
 
 SAMPLINGS = ("poisson", "fixed")
 __all__ = ["DPModel"]
@@ -386,8 +385,11 @@ class DPModel(FrozenSettings, keras.Model):
                 **kwargs,
             )
         finally:
-            # The generators' state after the fit would regenerate their draws.
-            private_state.reseed(step_releases.seed_generators(self), self.seed)
+            # The generators' state after the fit would regenerate their draws
+            # (on several hosts the chief's entropy: one state everywhere).
+            private_state.reseed(
+                step_releases.seed_generators(self), self.seed, randbits
+            )
         distributed_fit.check_aligned(guard)
         return history
 
@@ -463,6 +465,9 @@ class DPModel(FrozenSettings, keras.Model):
             )  # fmt: skip
         return self._engine
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        distributed_fit.build_optimizer(self)  # Keras' would read a batch.
+
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(
             "DPModel trains only through fit: a batch you choose is not a "
@@ -474,89 +479,7 @@ class DPModel(FrozenSettings, keras.Model):
         return backends.current().train_step(self, args, self._dp_step)
 
     def _dp_step(self, data):
-        # On several hosts a fourth array carries each row's batch digest.
-        x, y, mask, *batch_id = data
-        plumbing = backends.current()
-        network = self.network
-        params = [v.value for v in network.trainable_variables]
-        fixed = [v.value for v in network.non_trainable_variables]
-        clipped, losses, fixed = self._clipped_sums(x, y, mask, params, fixed)
-        noise = gaussian_sum.gaussian_noise(
-            clipped, self.noise_multiplier, self.noise_seed
-        )
-        # Each device passes its clipped sum; the one that holds the noise
-        # adds it (the optimizer sums the replicas' gradients on TensorFlow;
-        # a JAX program is global, its share 1).
-        share = plumbing.noise_share()
-        grads = [
-            (total + share * n) / self._denominator
-            for total, n in zip(clipped.total, noise, strict=True)
-        ]
-        grads = _add_weight_penalties(network, params, grads, share)
-        within_plan = self._within_plan()
-        aligned = hosts_agreement.aligned(batch_id[0]) if batch_id else None
-        if aligned is not None:
-            # Rows of different samples on different hosts: not the sampled
-            # batch the accounting assumes (an example could count twice).
-            within_plan = (
-                aligned
-                if within_plan is None
-                else ops.logical_and(within_plan, aligned)
-            )
-        if within_plan is not None:
-            # Past the plan (a callback changed the step count mid-fit, which
-            # fit's checks cannot see): release nothing computed from the data
-            # and count nothing. A zero gradient; momentum still moves.
-            grads = [ops.where(within_plan, g, ops.zeros_like(g)) for g in grads]
-        self.optimizer.apply(grads, network.trainable_variables)
-        for variable, value in zip(network.non_trainable_variables, fixed, strict=True):
-            variable.assign(value)
-        self.private_steps.assign_add(
-            1 if within_plan is None else ops.cast(within_plan, "int32")
-        )
-        logs = {"private_steps": self.private_steps.value}
-        logs = {**logs, **step_releases.release(self, clipped, losses, within_plan)}
-        if aligned is not None:
-            logs["misaligned_hosts"] = 1 - ops.cast(aligned, "int32")
-        return plumbing.replica_logs(logs)
-
-    def _clipped_sums(self, x, y, mask, params, fixed):
-        """`(gradient ClippedSum, loss ClippedSum or None, new non-trainable
-        values)` of the batch: each device clips its rows, physical batch by
-        physical batch. The counts are summed over every device; the
-        gradient sum is this replica's on TensorFlow (Keras' optimizer adds
-        the replicas'), the global one on JAX."""
-        plumbing = backends.current()
-        engine = step_releases.step_engine(self, self._engine_for())
-        physical = self.physical_batch_size
-
-        def local(rows, shared):
-            x, y, mask = rows
-            params, fixed = shared
-            values = step_releases.carry(self, fixed)
-            clipped, values = gradient_accumulation.accumulate(
-                engine, params, values, x, y, mask, physical
-            )
-            fixed, losses = step_releases.uncarry(self, values)
-            sums = (clipped.total, clipped.count, clipped.num_nonfinite,
-                    clipped.num_within_clip)  # fmt: skip
-            if losses is not None:
-                sums += (losses.total[0], losses.count, losses.num_nonfinite)
-            return sums, fixed
-
-        sums, fixed = plumbing.split_over_devices(local, (x, y, mask), (params, fixed))
-        total, *counts = sums
-        count, nonfinite, within, *loss_sums = [plumbing.replica_sum(c) for c in counts]
-        clipped = gaussian_sum.ClippedSum(
-            total, engine.clip_norm, count, nonfinite, within
-        )
-        losses = None
-        if loss_sums:
-            loss_total, loss_count, loss_nonfinite = loss_sums
-            losses = gaussian_sum.ClippedSum(
-                [loss_total], self.noised_loss.bound, loss_count, loss_nonfinite
-            )
-        return clipped, losses, fixed
+        return dp_step.train_step(self, data)
 
     def _within_plan(self):
         """With a `target_epsilon`, whether this step is within the plan (a
@@ -741,30 +664,3 @@ def _num_outputs(network):
     except (AttributeError, IndexError, ValueError):
         return None
     return None if width is None else int(width)
-
-
-def _add_weight_penalties(network, params, grads, share=1.0):
-    """Adds the gradients of weight regularizers (times `share`: one replica
-    adds them): they do not read data, so they need neither clipping nor
-    noise."""
-    regularized = [
-        (i, v.regularizer)
-        for i, v in enumerate(network.trainable_variables)
-        if getattr(v, "regularizer", None) is not None
-    ]
-    if not regularized:
-        return grads
-    backend = backends.current()
-    indices = [i for i, _ in regularized]
-
-    def penalty(values):
-        return sum(
-            ops.cast(reg(value), "float32")
-            for (_, reg), value in zip(regularized, values, strict=True)
-        )
-
-    _, extra = backend.value_and_grad(penalty)([params[i] for i in indices])
-    grads = list(grads)
-    for i, g in zip(indices, extra, strict=True):
-        grads[i] = grads[i] + share * ops.cast(g, grads[i].dtype)
-    return grads

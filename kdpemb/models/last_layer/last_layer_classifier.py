@@ -17,6 +17,7 @@ This module is the front: settings, the schedule fixed by the first
 `unit="user"` the guarantee is per user (`last_layer_users`).
 """
 
+import contextlib
 import math
 import secrets
 
@@ -28,7 +29,7 @@ from kdpemb import _finite_inputs as finite_inputs
 from kdpemb import _validation as validation
 from kdpemb.models._shared import (
     backends,
-    device_checks,
+    data_parallel,
     frozen_settings,
     plan_resume,
     privacy_plan,
@@ -54,6 +55,30 @@ METHOD_CLASSES = {DPSGDHead.name: DPSGDHead, **SOLVERS}
 METHODS = tuple(METHOD_CLASSES)  # "dp-sgd", "dp-ls", "dp-newton", "dp-fc"
 HEAD_INITS = ("zeros", "random")
 __all__ = ["ClipFeatures", "LastLayerDPClassifier", "dense_gradient_norms"]
+
+
+def _check_devices(model):
+    """The devices a DP-SGD batch of `model` splits over (1 without a
+    strategy or distribution), after refusing an engine DP-SGD does not
+    support (`data_parallel.check_engine`) and a job of several hosts,
+    before any step. The closed forms run on the host whatever the engine."""
+    hosts = data_parallel.check_engine(model, "LastLayerDPClassifier")
+    if hosts.count > 1:
+        raise ValueError(
+            f"LastLayerDPClassifier trains on the devices of one host; this job "
+            f"spans {hosts.count} hosts, each of which would fit (and noise) "
+            "the head on its own. A linear head on features is cheap: extract "
+            "the features where the images are (kdpemb.features.extract), "
+            "bring them to one host and fit there (with its devices, or none)."
+        )
+    return data_parallel.device_count(model)
+
+
+def _engine_scope(model):
+    """The scope of `model`'s `tf.distribute` strategy, in which its
+    variables are created (one copy per replica); no scope otherwise."""
+    strategy = data_parallel.strategy_of(model)
+    return contextlib.nullcontext() if strategy is None else strategy.scope()
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
@@ -138,6 +163,9 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
     DP-Newton). With `unit="user"`, `fit(features, labels, users=ids,
     batch_size=B_u)`: `batch_size` is the expected number of users per
     step (q = B_u / U over the U distinct ids; None: every user every step).
+    Built in a `MirroredStrategy`'s scope (or under a JAX `DataParallel`),
+    DP-SGD splits each batch over the devices, noised once; the closed
+    forms compute on the host as on one device. One host only.
 
     Example:
 
@@ -401,9 +429,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         privacy_plan.refuse_fit_arguments(
             kwargs, privacy_plan.SAMPLING_ARGUMENTS, "LastLayerDPClassifier"
         )
-        device_checks.check_single_device(
-            "LastLayerDPClassifier", "a linear head is cheap"
-        )
+        devices = _check_devices(self)
         features, labels = last_layer_inputs.check_data(x, y, self.num_classes)
         if self.built and features.shape[1] != self.head.kernel.shape[0]:
             raise ValueError(
@@ -432,10 +458,13 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             privacy_plan.is_verbose({"verbose": verbose, "callbacks": callbacks}),
             num_users,
         )  # fmt: skip
-        if not self.built:
-            self.build(features.shape)
-        if not self.compiled:
-            self.compile()
+        with _engine_scope(self):  # Replicated variables.
+            if not self.built:
+                self.build(features.shape)
+            if not self.compiled:
+                self.compile()
+            if devices > 1 and not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
         if plan is not None:
             self._adopt_plan(plan)
         privacy_plan.check_later_fit(
@@ -467,7 +496,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
         )
         batches = last_layer_users.sampler_batches(
             self, features, labels, users, batch_size, steps_per_epoch,
-            epochs - initial_epoch, seed,
+            epochs - initial_epoch, seed, devices,
         )  # fmt: skip
         return super().fit(
             batches,

@@ -15,6 +15,7 @@ Gram matrices of the user's rows (`clipped_user_head_gradient`).
 import keras
 from keras import ops
 
+from kdpemb.models._shared import backends
 from kdpemb.privacy import gaussian_sum
 
 
@@ -184,30 +185,23 @@ class DPSGDHead:
         return calibrated
 
     def train_step(self, model, data, noise_multiplier, denominator):
-        """One private step on `data` (rows, or indices of `model`'s device rows)."""
-        features, labels, mask = (
-            model._rows.gather(data) if model._rows.on_device else data
-        )
-        features = ops.cast(features, "float32")
-        if model.clip_features is not None:
-            features = model.clip_features(features)
+        """One private step on `data`: rows `(features, labels, mask)`, or
+        indices of `model`'s device rows.
+
+        On several devices each one clips its share of the rows
+        (`backends.split_over_devices`); the noise is drawn once: only the
+        first replica keeps it on TensorFlow (whose optimizer sums the
+        replicas' gradients), the one global program on JAX."""
+        plumbing = backends.current()
+        features, labels, mask = data if len(data) == 3 else model._rows.gather(data)
         kernel, bias = model.head.kernel, model.head.bias
-        probs = ops.softmax(ops.matmul(features, kernel) + bias)
-        one_hot = ops.one_hot(ops.cast(labels, "int32"), model.num_classes)
-        if self.examples_per_user is None:
-            clipped = clipped_head_gradient(
-                features, probs - one_hot, self.clip_norm, ops.cast(mask, "bool")
-            )
-        else:  # Slots of k rows, one user each.
-            clipped = clipped_user_head_gradient(
-                features, probs - one_hot, self.clip_norm, mask,
-                self.examples_per_user,
-            )  # fmt: skip
+        clipped = self._clipped_sum(model, features, labels, mask, kernel, bias)
         (noise,) = gaussian_sum.gaussian_noise(
             clipped, noise_multiplier, model.noise_seed
         )
-        total = clipped.total[0] + noise
-        l2 = model.l2 or 0.0
+        share = plumbing.noise_share()  # 1 where the noise is added.
+        total = clipped.total[0] + share * noise
+        l2 = (model.l2 or 0.0) * share  # Once over the replicas, as the noise.
         grads = [total[:-1] / denominator + l2 * kernel, total[-1] / denominator]
         within = None
         if model.target_epsilon is not None:
@@ -220,4 +214,36 @@ class DPSGDHead:
         model.private_steps.assign_add(
             1 if within is None else ops.cast(within, "int32")
         )
-        return {"private_steps": model.private_steps.value}
+        return plumbing.replica_logs({"private_steps": model.private_steps.value})
+
+    def _clipped_sum(self, model, features, labels, mask, kernel, bias):
+        """The batch's `ClippedSum`: each device clips its rows; the counts
+        are summed over every device, the `[d + 1, K]` total is this
+        replica's on TensorFlow (the optimizer adds the replicas') and the
+        global one on JAX."""
+        plumbing = backends.current()
+
+        def local(rows, shared):
+            features, labels, mask = rows
+            kernel, bias = shared
+            features = ops.cast(features, "float32")
+            if model.clip_features is not None:
+                features = model.clip_features(features)
+            probs = ops.softmax(ops.matmul(features, kernel) + bias)
+            one_hot = ops.one_hot(ops.cast(labels, "int32"), model.num_classes)
+            residuals = probs - one_hot
+            if self.examples_per_user is None:
+                clipped = clipped_head_gradient(
+                    features, residuals, self.clip_norm, ops.cast(mask, "bool")
+                )
+            else:  # Slots of k rows, one user each (whole slots per device).
+                clipped = clipped_user_head_gradient(
+                    features, residuals, self.clip_norm, mask,
+                    self.examples_per_user,
+                )  # fmt: skip
+            return (clipped.total[0], clipped.count, clipped.num_nonfinite), ()
+
+        rows, shared = (features, labels, mask), (kernel.value, bias.value)
+        (total, *counts), _ = plumbing.split_over_devices(local, rows, shared)
+        count, nonfinite = (plumbing.replica_sum(c) for c in counts)
+        return gaussian_sum.ClippedSum([total], self.clip_norm, count, nonfinite)

@@ -44,16 +44,34 @@ def check_users(unit, users, num_examples):
     )
 
 
-def sampler_batches(model, features, labels, users, batch_size, steps, epochs, seed):
+def sampler_batches(
+    model, features, labels, users, batch_size, steps, epochs, seed, devices=1
+):
     """DP-SGD's batches: indices of rows kept on the device (`PoissonIndices`,
     or `UserIndices` at user level), or rows gathered on the host when the
-    device has no room for them (`PoissonBatches`, `UserBatches`)."""
+    device has no room for them (`PoissonBatches`, `UserBatches`).
+
+    On several devices, rows gathered on the host, a multiple of `devices`
+    rows (of `devices` slots, whole users, at user level): the engine
+    splits each batch over the devices, each holding its share of the rows.
+    """
     from kdpemb.data.poisson_batches import PoissonBatches, PoissonIndices
     from kdpemb.data.user_batches import UserBatches, UserIndices
 
     rows = model._rows
-    padding = backends.current().BATCH_PADDING
+    padding = backends.current().batch_padding(model)
     k = model.examples_per_user
+    if devices > 1:
+        model.train_function = None  # Traced for the replicas' rows.
+        if users is None:
+            return PoissonBatches(
+                features, labels, batch_size, steps, seed=seed, padding=padding,
+                multiple_of=devices,
+            )  # fmt: skip
+        return UserBatches(
+            features, labels, users, batch_size, k, steps, seed=seed,
+            padding=padding, multiple_of=devices,
+        )  # fmt: skip
     if rows.hold(features, labels):
         if users is None:
             sampler = PoissonIndices(len(features), batch_size, steps, seed, padding)

@@ -28,6 +28,9 @@ differ between backends live here, the way Keras splits its own trainers:
 - `train_step(model, args, step)`: calls `step(data)` with the model's
   variables live: directly on TensorFlow, inside a `StatelessScope` on JAX.
 - `test_step(model, args, step)`: the same for evaluation.
+- `batch_padding(model)`: how `model`'s Poisson batches are padded: to a
+  few shapes where each shape is a compilation (JAX, or TensorFlow with
+  `jit_compile`), not at all for a TensorFlow graph.
 - `hold_rows(arrays, held)`, `rows_batches(sampler, rows, epochs)`,
   `gather_inputs(data, rows)`: training rows kept on the device, and how
   a step that receives only indices reaches them (`models.device_rows`).

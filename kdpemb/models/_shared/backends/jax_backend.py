@@ -159,6 +159,13 @@ def _stateless(groups, state, step, data):
 BATCH_PADDING = "multiple"
 
 
+def batch_padding(model):
+    """The padding of `model`'s Poisson batches: a few shapes ("multiple"),
+    each one compilation of the step."""
+    del model
+    return BATCH_PADDING
+
+
 def hold_rows(arrays, held):
     """Device copies of `arrays`, and whether the train step must be retraced.
 

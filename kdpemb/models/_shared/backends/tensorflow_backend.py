@@ -80,6 +80,11 @@ def per_example_map(fn, *tensors):
     `variant` accumulators raises a `TypeError`. The attempt is traced in
     a function of its own, so that a failed one leaves no ops behind in
     the caller's graph.
+
+    In a step that XLA compiles (`jit_compile`), a `fn` with a `while`
+    loop (a recurrent layer) is looped over with `tf.map_fn` at once: the
+    vectorised form of such a loop is a loop of conditionals on resource
+    handles, which XLA refuses to compile.
     """
     signature = []
 
@@ -96,6 +101,13 @@ def per_example_map(fn, *tensors):
     def vectorized(*tensors):
         return tf.vectorized_map(one, tensors)
 
+    if _xla_tracing() and _has_loop(one, tensors):
+        logger.info(
+            "The per-example function has a while loop, which XLA cannot "
+            "compile once vectorised; looping over the rows with tf.map_fn "
+            "instead (the same gradients, slower)."
+        )
+        return tf.map_fn(one, tensors, fn_output_signature=signature[0])
     try:
         # A failed conversion logs its graph before it raises: handled below.
         with console.vectorizer_logs_quieted(keep_errors=False):
@@ -116,6 +128,31 @@ def per_example_map(fn, *tensors):
         reason,
     )
     return tf.map_fn(one, tensors, fn_output_signature=signature[0])
+
+
+def _xla_tracing():
+    """Whether the graph being traced is one that XLA compiles (a
+    `tf.function(jit_compile=True)`, as Keras' step under `jit_compile`,
+    or a function called from one)."""
+    if tf.executing_eagerly():
+        return False
+    # TensorFlow has no public test; its tracer marks such graphs so.
+    from tensorflow.python.ops import control_flow_util
+
+    graph = tf.compat.v1.get_default_graph()
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def _has_loop(one, tensors):
+    """Whether `one` (of a tuple of rows of `tensors`) runs a `while` loop,
+    in its own graph or in a function it calls: traced once, on specs."""
+    specs = [tf.TensorSpec(t.shape[1:], t.dtype) for t in tensors]
+    traced = tf.function(lambda *rows: one(rows), autograph=False)
+    graph = traced.get_concrete_function(*specs).graph
+    library = graph.as_graph_def().library.function
+    kinds = {op.type for op in graph.get_operations()}
+    kinds.update(node.op for function in library for node in function.node_def)
+    return bool(kinds & {"While", "StatelessWhile"})
 
 
 def _replica_context():
@@ -212,6 +249,13 @@ def hold_rows(arrays, held):
 
 # A TensorFlow graph takes any batch size without a new trace: no padding.
 BATCH_PADDING = "none"
+
+
+def batch_padding(model):
+    """The padding of `model`'s Poisson batches (`PoissonIndices`): none for
+    a graph; for a step that XLA compiles (`jit_compile`), which is a new
+    program for every batch shape, a few shapes ("multiple"), as on JAX."""
+    return "multiple" if model.jit_compile else BATCH_PADDING
 
 
 def rows_batches(sampler, rows, epochs):
