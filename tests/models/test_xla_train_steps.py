@@ -453,3 +453,24 @@ def test_centralized_baseline_with_pretrainings_cosine_head_and_margin(capfd):
     start = values(build(False).trainable_variables)
     got, want, _, _ = fit_twice(build, fit, capfd)
     assert_same_moved_weights(got, want, start)
+
+
+class TPUStrategy:  # Only its name is read: no TPU here.
+    pass
+
+
+def test_batches_are_padded_to_a_few_shapes_wherever_xla_compiles_the_step():
+    from types import SimpleNamespace
+
+    from kdpemb.models._shared import backends
+
+    def padding(jit_compile, strategy=None):
+        model = SimpleNamespace(jit_compile=jit_compile, _distribute_strategy=strategy)
+        return backends.current().batch_padding(model)
+
+    assert padding(True) == "multiple"
+    # A TPU compiles every step with XLA, whatever jit_compile says.
+    assert padding(False, TPUStrategy()) == "multiple"
+    # Without XLA a TensorFlow graph takes any batch size; JAX always compiles.
+    expected = "none" if keras.backend.backend() == "tensorflow" else "multiple"
+    assert padding(False) == expected

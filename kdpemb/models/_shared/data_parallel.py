@@ -167,9 +167,11 @@ def _check_jax_distribution(owner):
 
 class HostBatches(keras.utils.PyDataset):
     """This host's rows of every batch of `batches` (a `PoissonBatches` or
-    `UserBatches`, drawing the same samples on every host): the leading
-    axis split into `hosts.count` equal parts, in host order, and only
-    those rows read. A fourth array gives every row the batch's digest
+    `UserBatches`, drawing the same samples on every host), and only those
+    rows read. The batch's units (rows; at user level, slots of k rows)
+    are dealt to the hosts in turn (unit i to host i mod H), so that the
+    real rows, which come first, spread evenly over the hosts and the
+    padding with them. A fourth array gives every row the batch's digest
     (of the whole sample), which the step compares across hosts
     (`hosts_agreement.aligned`): a host out of step makes a batch that
     releases nothing."""
@@ -177,19 +179,25 @@ class HostBatches(keras.utils.PyDataset):
     def __init__(self, batches, hosts):
         super().__init__()
         self.batches, self.hosts = batches, hosts
+        self.unit = int(getattr(batches, "examples_per_user", None) or 1)
 
     def __len__(self):
         return len(self.batches)
 
+    def host_rows(self, size):
+        """The positions, in a batch of `size` rows, that this host serves."""
+        count, unit = self.hosts.count, self.unit
+        if size % (count * unit):
+            raise ValueError(
+                f"A batch of {size} rows does not split into whole units of "
+                f"{unit} row(s) over {count} hosts."
+            )
+        units = np.arange(self.hosts.index, size // unit, count)
+        return (units[:, None] * unit + np.arange(unit)).ravel()
+
     def __getitem__(self, index):
         indices, mask = self.batches.sample(index)
-        count = self.hosts.count
-        if len(indices) % count:
-            raise ValueError(
-                f"A batch of {len(indices)} rows does not split over {count} hosts."
-            )
-        share = len(indices) // count
-        rows = slice(self.hosts.index * share, (self.hosts.index + 1) * share)
+        rows = self.host_rows(len(indices))
         digest = hashlib.blake2b(digest_size=4)
         digest.update(np.ascontiguousarray(indices).tobytes())
         digest.update(np.ascontiguousarray(mask).tobytes())
@@ -199,7 +207,7 @@ class HostBatches(keras.utils.PyDataset):
             self.batches.features[mine],
             self.batches.labels[mine],
             mask[rows],
-            np.full(share, batch_id, np.int32),
+            np.full(len(rows), batch_id, np.int32),
         )
 
     def to_tf_dataset(self):

@@ -253,9 +253,12 @@ BATCH_PADDING = "none"
 
 def batch_padding(model):
     """The padding of `model`'s Poisson batches (`PoissonIndices`): none for
-    a graph; for a step that XLA compiles (`jit_compile`), which is a new
-    program for every batch shape, a few shapes ("multiple"), as on JAX."""
-    return "multiple" if model.jit_compile else BATCH_PADDING
+    a graph; for a step that XLA compiles (`jit_compile`, and always under
+    a `TPUStrategy`), which is a new program for every batch shape, a few
+    shapes ("multiple"), as on JAX."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    on_tpu = type(strategy).__name__.startswith("TPUStrategy")
+    return "multiple" if model.jit_compile or on_tpu else BATCH_PADDING
 
 
 def rows_batches(sampler, rows, epochs):
