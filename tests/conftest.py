@@ -18,6 +18,10 @@ LONG_RUNNING = (
     "tests/test_crash_safety.py",
     "tests/models/test_fedemb_after_pretraining.py",
     "tests/models/test_fedemb_distributed.py",
+    "tests/models/test_last_layer_distributed.py",
+    "tests/models/test_dp_model_distributed.py",
+    "tests/models/test_dp_model_multi_host.py",
+    "tests/models/test_xla_train_steps.py",
     "tests/audit/test_model_audits.py",
     "tests/audit/test_audit.py",
 )

@@ -184,6 +184,10 @@ SCENARIOS = {
             TARGET_QUANTILE, CLIP_LEARNING_RATE, count_stddev=COUNT_STDDEV
         ),
     },
+    # An optimizer that clips each coordinate of the gradient it is given:
+    # it must see the global noised gradient once, never one replica's sum
+    # (clip(g0) + clip(g1) is not clip(g0 + g1), and g1 carries no noise).
+    "optimizer_clipvalue": {"network": "mlp", "optimizer_clipvalue": 0.004},
     # Gradients all 0: each step is the noise alone.
     "noise": {
         "network": "noise",
@@ -386,14 +390,17 @@ def build(name, settings, clip_norm):
     if name in INITIAL:
         net.set_weights(INITIAL[name])
     INITIAL.setdefault(name, [np.array(w) for w in net.get_weights()])
-    dp = {k: v for k, v in settings.items() if k not in ("network", "jit_compile")}
+    not_dp = ("network", "jit_compile", "optimizer_clipvalue")
+    dp = {k: v for k, v in settings.items() if k not in not_dp}
     dp.setdefault("noise_multiplier", 0.0)
     dp.setdefault("clip_norm", clip_norm)
     model = DPModel(net, seed=DP_SEED, **dp)
     extra = {"jit_compile": True} if settings.get("jit_compile") else {}
-    model.compile(
-        keras.optimizers.SGD(LEARNING_RATE if name != "noise" else 1.0), "mse", **extra
+    optimizer = keras.optimizers.SGD(
+        LEARNING_RATE if name != "noise" else 1.0,
+        clipvalue=settings.get("optimizer_clipvalue"),
     )
+    model.compile(optimizer, "mse", **extra)
     return model
 
 
@@ -569,6 +576,8 @@ def refusals():
         with strategy.scope():
             report["central_storage"] = run(refused_fit, "central_storage")
         report["network_in_another_scope"] = run(refused_fit, "network_in_scope")
+        # Built outside the scope, fitted inside it.
+        report["model_outside_the_scope"] = run(refused_fit, "outside")
     return report
 
 
@@ -605,8 +614,10 @@ def refused_fit(name):
     model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
     before = flat(model.network.trainable_variables)
     begun = Begun()
+    fitting = STRATEGY.scope() if name == "outside" else contextlib.nullcontext()
     try:
-        model.fit(x, y, batch_size=BATCH_SIZE, verbose=0, callbacks=[begun])
+        with fitting:
+            model.fit(x, y, batch_size=BATCH_SIZE, verbose=0, callbacks=[begun])
     except ValueError as error:
         return {"refusal": refusal(error, model, before, begun)}
     return {"refusal": None}

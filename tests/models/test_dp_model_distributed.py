@@ -329,6 +329,8 @@ def test_set_ups_that_would_not_sum_over_every_device_are_refused(results):
             "central_storage": "CentralStorageStrategy would update",
             # A cryptic TypeError mid-fit before the check.
             "network_in_another_scope": "belongs to another tf.distribute strategy",
+            # Each replica would update the one copy (count each step twice).
+            "model_outside_the_scope": "was created outside the scope",
         }
     assert set(report) == set(expected)
     for name, message in expected.items():

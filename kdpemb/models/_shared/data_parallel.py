@@ -4,8 +4,9 @@ over how many devices a logical batch splits, and each host's rows.
 `DPModel` (and the DP-SGD head of `LastLayerDPClassifier`) run one step
 over every device of every host: each device clips the examples of its
 share of the logical batch, the clipped sums are added over the devices,
-and the noise is drawn once (`backends.noise_share`). What that needs
-from the engine is checked here, once for both trainers:
+the noise is added once to the global sum, and the optimizer takes it
+once (`backends.optimizer_share`). What that needs from the engine is
+checked here, once for both trainers:
 
 - TensorFlow: the model built in the scope of a `MirroredStrategy`,
   `MultiWorkerMirroredStrategy` (one replica per worker) or `TPUStrategy`
@@ -114,9 +115,19 @@ def check_engine(model, owner):
 
 def _check_variables_in_scope(model, strategy, owner):
     """Refuses variables of another strategy than the model's (a network
-    built in a strategy's scope, wrapped outside it, or the reverse)."""
+    built in a strategy's scope, wrapped outside it, or the reverse), and
+    under several replicas variables of none (built outside the scope: each
+    replica would update the one copy, e.g. count every step twice)."""
+    several = strategy is not None and strategy.num_replicas_in_sync > 1
     for variable in model.variables:
         theirs = getattr(variable.value, "_distribute_strategy", None)
+        if theirs is None and several:
+            raise ValueError(
+                f"{owner}'s variable {variable.path!r} was created outside "
+                f"the scope of the {type(strategy).__name__} it is fitted "
+                "under: build the network, the model and its compile() all in "
+                "one `with strategy.scope():` block."
+            )
         if theirs is not None and theirs is not strategy:
             raise ValueError(
                 f"{owner}'s variable {variable.path!r} belongs to another "
@@ -141,6 +152,15 @@ def _check_jax_distribution(owner):
 
     distribution = keras.distribution.distribution()
     if distribution is None:
+        if jax.process_count() > 1:
+            # Each process would train alone on its rows, with the one noise.
+            raise ValueError(
+                f"{owner} runs on {jax.process_count()} JAX processes with no "
+                "keras.distribution set: call keras.distribution."
+                "set_distribution(keras.distribution.DataParallel("
+                "auto_shard_dataset=False)) on every process before building "
+                "the model."
+            )
         return
     if not isinstance(distribution, keras.distribution.DataParallel):
         raise ValueError(

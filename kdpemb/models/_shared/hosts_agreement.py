@@ -77,13 +77,12 @@ def aligned(index):
     """Whether every row of `index` (int per row; on TensorFlow this
     replica's rows) holds one value, the same on every replica (a traced
     bool, the same everywhere). JAX: the rows of every host are one global
-    array. TensorFlow: each replica's low must equal the mean low."""
+    array. TensorFlow: each replica compares its rows with the first
+    replica's value (summed from the first replica alone)."""
     plumbing = backends.current()
     index = ops.cast(index, "int32")
     low, high = ops.min(index), ops.max(index)
-    replicas = plumbing.replica_sum(ops.ones((), "int32"))
-    differs = ops.logical_or(
-        ops.not_equal(low, high),
-        ops.not_equal(plumbing.replica_sum(low), replicas * low),
-    )
+    first = ops.cast(plumbing.noise_share(), "int32")  # 1 on the first replica.
+    firsts = plumbing.replica_sum(first * low)
+    differs = ops.logical_or(ops.not_equal(low, high), ops.not_equal(low, firsts))
     return ops.equal(plumbing.replica_sum(ops.cast(differs, "int32")), 0)

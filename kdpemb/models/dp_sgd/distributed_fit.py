@@ -13,10 +13,11 @@ nothing, and `fit` raises `HostsDisagreeError` after it.
 Example:
 
 >>> from kdpemb.distribute import Hosts
->>> join_hosts(None, "batches", [], {}, Hosts.single(), None, None)
+>>> join_hosts(None, "batches", [], {}, Hosts.single(), None, None, None)
 ('batches', [], {}, None)
 """
 
+import hashlib
 import json
 
 import numpy as np
@@ -56,13 +57,13 @@ def batches(model, x, y, users, batch_size, steps, hosts, randbits):
     )  # fmt: skip
 
 
-def join_hosts(model, batches, callbacks, kwargs, hosts, x, users):
+def join_hosts(model, batches, callbacks, kwargs, hosts, x, y, users):
     """`(batches, callbacks, kwargs, guard)` of the fit: unchanged on one
     host; on several, this host's rows of each batch, a `HostsGuard`
     after the callbacks, and an epoch of `len(batches)` steps."""
     if hosts.count == 1:
         return batches, callbacks, kwargs, None
-    guard = hosts_agreement.HostsGuard(hosts, _settings(x, users))
+    guard = hosts_agreement.HostsGuard(hosts, _settings(x, y, users))
     callbacks = privacy_plan.with_guard(callbacks, guard, model)
     host_batches = data_parallel.HostBatches(batches, hosts)
     kwargs = {**kwargs, "steps_per_epoch": len(host_batches)}
@@ -98,16 +99,16 @@ def check_aligned(guard):
     )
 
 
-def _settings(x, users):
-    """`HostsGuard`'s settings of a fit on `x` (and `users`): what the
-    model releases and how it is accounted, and the data's shape."""
+def _settings(x, y, users):
+    """`HostsGuard`'s settings of a fit on `x`, `y` (and `users`): what the
+    model releases and how it is accounted, and the data (`data_digest`)."""
+    data = data_digest(x, y, users)
 
     def settings(model):
         config = model.get_config()
         for key in ("network", "name", "trainable", "dtype"):
             config.pop(key, None)
         mechanism = ledger.mechanism_parameters(protocol.check_private_model(model))
-        data = (len(x), tuple(np.shape(x[:1])), None if users is None else len(users))
         return json.dumps(
             (mechanism, config, model.noise_multiplier, model.seed is None,
              model.planned_steps, data),
@@ -115,3 +116,18 @@ def _settings(x, users):
         )  # fmt: skip
 
     return settings
+
+
+def data_digest(x, y, users, rows=256):
+    """A digest of the data the hosts must share: the shapes, every user id,
+    and `rows` rows of `x` and `y` spread evenly over them (a read of a few
+    rows, not of all of `x`: different files or orders show; one changed
+    example between the sampled rows does not)."""
+    digest = hashlib.blake2b(digest_size=16)
+    positions = np.unique(np.linspace(0, len(x) - 1, min(len(x), rows)).astype(int))
+    digest.update(repr((len(x), np.shape(x[:1]), np.shape(y[:1]))).encode())
+    for part in (x[positions], y[positions]):
+        digest.update(np.ascontiguousarray(np.asarray(part)).tobytes())
+    if users is not None:
+        digest.update(np.ascontiguousarray(np.asarray(users)).tobytes())
+    return digest.hexdigest()

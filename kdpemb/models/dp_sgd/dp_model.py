@@ -371,7 +371,7 @@ class DPModel(FrozenSettings, keras.Model):
             self, x, y, users, batch_size, steps_per_epoch, hosts, randbits
         )
         batches, callbacks, kwargs, guard = distributed_fit.join_hosts(
-            self, batches, callbacks, kwargs, hosts, x, users
+            self, batches, callbacks, kwargs, hosts, x, y, users
         )
         try:
             history = super().fit(

@@ -3,9 +3,11 @@
 Each device clips the examples (or users) of its share of the logical
 batch, physical batch by physical batch (`gradient_accumulation`); the
 counts are summed over every device (`backends.replica_sum`); the noise
-N(0, (zC)²) is drawn once (`backends.noise_share`: the first replica on
-TensorFlow, whose optimizer adds the replicas' gradients; the one global
-program on JAX); the sum is divided by the expected batch B. A step past
+N(0, (zC)²) is added once to the global sum (TensorFlow: all-reduced,
+the same noise drawn on every replica; JAX: the one global program); it
+is divided by the expected batch B, and the optimizer takes it once
+(`backends.optimizer_share`: on TensorFlow, whose optimizer sums the
+replicas' gradients, the first replica passes it, the others zeros). A step past
 a target-ε plan, or whose hosts served rows of different samples,
 releases nothing and is not counted.
 
@@ -42,15 +44,11 @@ def train_step(model, data):
     noise = gaussian_sum.gaussian_noise(
         clipped, model.noise_multiplier, model.noise_seed
     )
-    # Each device passes its clipped sum; the one that holds the noise
-    # adds it (the optimizer sums the replicas' gradients on TensorFlow;
-    # a JAX program is global, its share 1).
-    share = plumbing.noise_share()
-    grads = [
-        (total + share * n) / model._denominator
-        for total, n in zip(clipped.total, noise, strict=True)
-    ]
-    grads = add_weight_penalties(network, params, grads, share)
+    # The global sum (TensorFlow: over the replicas), and the noise drawn
+    # once: every replica draws the same from the same seed state.
+    total = [plumbing.replica_sum(t) for t in clipped.total]
+    grads = [(t + n) / model._denominator for t, n in zip(total, noise, strict=True)]
+    grads = add_weight_penalties(network, params, grads)
     within_plan = model._within_plan()
     aligned = hosts_agreement.aligned(batch_id[0]) if batch_id else None
     if aligned is not None:
@@ -64,6 +62,9 @@ def train_step(model, data):
         # fit's checks cannot see): release nothing computed from the data
         # and count nothing. A zero gradient; momentum still moves.
         grads = [ops.where(within_plan, g, ops.zeros_like(g)) for g in grads]
+    # Anything the optimizer does before summing the replicas' gradients
+    # sees the noised gradient only (`backends.optimizer_share`).
+    grads = plumbing.optimizer_share(grads)
     model.optimizer.apply(grads, network.trainable_variables)
     for variable, value in zip(network.non_trainable_variables, fixed, strict=True):
         variable.assign(value)
@@ -114,10 +115,9 @@ def clipped_sums(model, x, y, mask, params, fixed):
     return clipped, losses, fixed
 
 
-def add_weight_penalties(network, params, grads, share=1.0):
-    """Adds the gradients of weight regularizers (times `share`: one replica
-    adds them): they do not read data, so they need neither clipping nor
-    noise."""
+def add_weight_penalties(network, params, grads):
+    """Adds the gradients of weight regularizers: they do not read data, so
+    they need neither clipping nor noise."""
     regularized = [
         (i, v.regularizer)
         for i, v in enumerate(network.trainable_variables)
@@ -137,5 +137,5 @@ def add_weight_penalties(network, params, grads, share=1.0):
     _, extra = backend.value_and_grad(penalty)([params[i] for i in indices])
     grads = list(grads)
     for i, g in zip(indices, extra, strict=True):
-        grads[i] = grads[i] + share * ops.cast(g, grads[i].dtype)
+        grads[i] = grads[i] + ops.cast(g, grads[i].dtype)
     return grads

@@ -23,8 +23,9 @@ included), its privacy settings and the epoch it starts at across hosts.
 Every round then carries its index on every row, and a round whose rows
 come from different rounds on different hosts trains nothing, is not
 counted, and stops the fit with `HostsDisagreeError`. The noise itself is
-drawn once per round: by the one global program on JAX, by the replica
-that holds replica 0 on TensorFlow (`backends.noise_share`).
+added once per round: by the one global program on JAX; on TensorFlow
+every replica adds the same draw to the all-reduced sum and only the
+first passes it to the optimizer (`backends.optimizer_share`).
 """
 
 import json

@@ -124,8 +124,10 @@ def train_round(model, data):
         if within_plan is not None:
             next_clip_norm = ops.where(within_plan, next_clip_norm, clip_norm)
         model.current_clip_norm.assign(next_clip_norm)
+    # The global sum (TensorFlow: over the replicas) and the noise once:
+    # every replica draws the same from the same seed state.
     mean_update = [
-        (total + share * n) / schedule.sample_size
+        (plumbing.replica_sum(total) + n) / schedule.sample_size
         for total, n in zip(clipped.total, noise, strict=True)
     ]
     if within_plan is not None:
@@ -136,9 +138,13 @@ def train_round(model, data):
             ops.where(within_plan, u, ops.zeros_like(u)) for u in mean_update
         ]
     variables = fedemb_privacy.noised_variables(model)
-    # The server optimizer descends the gradient -Δ (Keras sums the
-    # replicas' gradients, so each passes its share).
-    model.optimizer.apply([-u for u in mean_update], variables)
+    # The server optimizer descends the gradient -Δ, once: on TensorFlow,
+    # whose optimizer sums the replicas' gradients, the first replica passes
+    # it and the others zeros, so that whatever the optimizer does before
+    # that sum (clipnorm, clipvalue) sees the noised update only.
+    model.optimizer.apply(
+        plumbing.optimizer_share([-u for u in mean_update]), variables
+    )
     model.private_steps.assign_add(
         1 if within_plan is None else ops.cast(within_plan, "int32")
     )

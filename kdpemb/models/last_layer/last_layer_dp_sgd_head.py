@@ -189,9 +189,9 @@ class DPSGDHead:
         indices of `model`'s device rows.
 
         On several devices each one clips its share of the rows
-        (`backends.split_over_devices`); the noise is drawn once: only the
-        first replica keeps it on TensorFlow (whose optimizer sums the
-        replicas' gradients), the one global program on JAX."""
+        (`backends.split_over_devices`); the clipped sums are added over
+        the devices, the noise added once to the global sum, and the
+        optimizer takes the result once (`backends.optimizer_share`)."""
         plumbing = backends.current()
         features, labels, mask = data if len(data) == 3 else model._rows.gather(data)
         kernel, bias = model.head.kernel, model.head.bias
@@ -199,9 +199,10 @@ class DPSGDHead:
         (noise,) = gaussian_sum.gaussian_noise(
             clipped, noise_multiplier, model.noise_seed
         )
-        share = plumbing.noise_share()  # 1 where the noise is added.
-        total = clipped.total[0] + share * noise
-        l2 = (model.l2 or 0.0) * share  # Once over the replicas, as the noise.
+        # The global sum (TensorFlow: over the replicas) and the noise once:
+        # every replica draws the same from the same seed state.
+        total = plumbing.replica_sum(clipped.total[0]) + noise
+        l2 = model.l2 or 0.0
         grads = [total[:-1] / denominator + l2 * kernel, total[-1] / denominator]
         within = None
         if model.target_epsilon is not None:
@@ -210,7 +211,9 @@ class DPSGDHead:
             # nothing computed from the data, count nothing.
             within = ops.less(model.private_steps.value, model.planned_steps)
             grads = [ops.where(within, g, ops.zeros_like(g)) for g in grads]
-        model.optimizer.apply(grads, [kernel, bias])
+        # The optimizer (which sums the replicas' gradients on TensorFlow)
+        # takes the noised gradient once, whatever it does before the sum.
+        model.optimizer.apply(plumbing.optimizer_share(grads), [kernel, bias])
         model.private_steps.assign_add(
             1 if within is None else ops.cast(within, "int32")
         )
@@ -219,7 +222,7 @@ class DPSGDHead:
     def _clipped_sum(self, model, features, labels, mask, kernel, bias):
         """The batch's `ClippedSum`: each device clips its rows; the counts
         are summed over every device, the `[d + 1, K]` total is this
-        replica's on TensorFlow (the optimizer adds the replicas') and the
+        replica's on TensorFlow (`train_step` adds the replicas') and the
         global one on JAX."""
         plumbing = backends.current()
 

@@ -23,6 +23,9 @@ differ between backends live here, the way Keras splits its own trainers:
   `(summed, kept)`: `kept` (alike on every device) is not summed.
 - `noise_share()`: 1 on the one replica that adds the round's noise, 0 on
   the others, so that summing the replicas' updates adds it exactly once.
+- `optimizer_share(grads)`: the step's global gradient as this replica
+  passes it to the optimizer (TensorFlow's sums the replicas'): all of
+  it on the first replica, zeros elsewhere.
 - `replica_logs(logs)`: the train step's logs in the form Keras reduces
   over the replicas (TensorFlow's multi-worker strategy needs an axis).
 - `train_step(model, args, step)`: calls `step(data)` with the model's

@@ -102,6 +102,11 @@ def noise_share():
     return 1.0
 
 
+def optimizer_share(grads):
+    """`grads` unchanged: the global program's optimizer takes them once."""
+    return list(grads)
+
+
 def replica_logs(logs):
     """`logs` unchanged: the global program's logs are already global."""
     return logs

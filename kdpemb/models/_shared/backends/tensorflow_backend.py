@@ -199,6 +199,20 @@ def noise_share():
     return tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
 
 
+def optimizer_share(grads):
+    """The step's gradient (the same global, noised value on every replica)
+    as this replica hands it to the optimizer, which sums the replicas':
+    the whole on the first replica, zeros on the others. Whatever the
+    optimizer does to one replica's gradient before that sum (`clipnorm`,
+    `clipvalue`, gradient accumulation) then sees the noised gradient
+    only, as on one device."""
+    context = _replica_context()
+    if context is None:
+        return list(grads)
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    return [tf.where(first, g, tf.zeros_like(g)) for g in grads]
+
+
 def replica_logs(logs):
     """`logs` as Keras reduces them over the strategy's replicas.
 
