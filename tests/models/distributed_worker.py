@@ -100,6 +100,14 @@ SCENARIOS = {
         "noise_multiplier": 0.0,
         "client_optimizer": 0.05,
     },
+    # A server optimizer that clips each coordinate of what it is given:
+    # it must see the round's noised mean once, never one replica's share.
+    "server_clipvalue": {
+        "clip_norm": 1e6,
+        "noise_multiplier": 0.0,
+        "client_optimizer": 0.05,
+        "server_clipvalue": 0.003,
+    },
     # Client updates vanish (θ + 1e-30 · g rounds to θ in float32), so the
     # server step is the noise alone.
     "noise": {
@@ -155,6 +163,8 @@ def make_clients(sampling="poisson"):
 
 
 def make_model(clients, settings):
+    settings = dict(settings)
+    server_clipvalue = settings.pop("server_clipvalue", None)
     keras.utils.set_random_seed(MODEL_SEED)  # Same initial weights each time.
     backbone = keras.Sequential(
         [
@@ -170,7 +180,11 @@ def make_model(clients, settings):
         backbone, schedule=clients.schedule, seed=MODEL_SEED, **settings
     )
     # The server optimizer: one step moves θ by exactly the noisy mean.
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0, momentum=0.0))
+    model.compile(
+        optimizer=keras.optimizers.SGD(
+            learning_rate=1.0, momentum=0.0, clipvalue=server_clipvalue
+        )
+    )
     return model
 
 

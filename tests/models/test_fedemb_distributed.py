@@ -105,9 +105,12 @@ def test_the_clients_of_a_round_are_split_across_the_devices(results, name):
         assert report["client_parallelism"] == setup.MAX_CLIENTS
 
 
-def test_distributed_rounds_equal_the_same_rounds_on_one_device(results):
-    single = scenario(results, "single/equivalence")
-    distributed = scenario(results, "distributed/equivalence")
+@pytest.mark.parametrize("name", ["equivalence", "server_clipvalue"])
+def test_distributed_rounds_equal_the_same_rounds_on_one_device(results, name):
+    # server_clipvalue: the server optimizer clips what it is given, so it
+    # must be given the round's noised mean once, not each replica's share.
+    single = scenario(results, f"single/{name}")
+    distributed = scenario(results, f"distributed/{name}")
     # The same rounds, and no extra round built (e.g. to learn shapes).
     assert distributed["served"] == single["served"]
     np.testing.assert_array_equal(distributed["before"], single["before"])
