@@ -204,12 +204,13 @@ def dp_sgd_data(rows=NUM_EXAMPLES, dim=DIM, classes=NUM_CLASSES, seed=0):
 def make_classifier(distributed, method="dp-sgd", **settings):
     keras.utils.set_random_seed(MODEL_SEED)  # The same random head each time.
     optimizer = settings.pop("optimizer", LEARNING_RATE)
+    clipvalue = settings.pop("optimizer_clipvalue", None)
     with engine_scope(distributed):
         model = LastLayerDPClassifier(
             settings.pop("num_classes", NUM_CLASSES), method, seed=MODEL_SEED,
             delta=DELTA, **settings,
         )  # fmt: skip
-        model.compile(keras.optimizers.SGD(optimizer))
+        model.compile(keras.optimizers.SGD(optimizer, clipvalue=clipvalue))
     return model
 
 
@@ -248,6 +249,15 @@ def equivalence(distributed):
     return fit_dp_sgd(
         distributed, clip_norm=CLIP_NORM, noise_multiplier=0.0, head_init="random",
         l2=L2, fit={"batch_size": BATCH_SIZE},
+    )  # fmt: skip
+
+
+def clipping_optimizer(distributed):
+    # An optimizer that clips each coordinate of what it is given: it must
+    # see the step's noised gradient once, never one replica's sum.
+    return fit_dp_sgd(
+        distributed, clip_norm=CLIP_NORM, noise_multiplier=0.0, head_init="random",
+        optimizer_clipvalue=0.02, fit={"batch_size": BATCH_SIZE},
     )  # fmt: skip
 
 
@@ -478,6 +488,7 @@ def several_hosts():
 
 SCENARIOS = {
     "equivalence": equivalence,
+    "clipping_optimizer": clipping_optimizer,
     "user_equivalence": user_equivalence,
     "noise": noise,
     "closed_forms": closed_forms,

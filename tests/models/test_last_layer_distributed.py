@@ -140,6 +140,7 @@ def test_features_on_two_devices_equal_one_device_a_share_per_device(results):
     ("name", "steps", "rows_per_slot"),
     [
         ("equivalence", setup.STEPS, 1),
+        ("clipping_optimizer", setup.STEPS, 1),
         ("user_equivalence", setup.USER_STEPS, setup.EXAMPLES_PER_USER),
     ],
 )
