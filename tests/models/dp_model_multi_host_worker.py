@@ -301,7 +301,39 @@ def refusals():
             "private_steps": private_steps(model),
             "unchanged": flat_weights(model) == before,
         }
+    # The same shapes, other rows on host 1 (another file, another order).
+    x, y = (X[::-1], Y[::-1]) if HOST == 1 else (X, Y)
+    report["other_rows"] = refused_fit(HostsDisagreeError, x, y)
+    # A non-finite input on host 1 only: host 1 refuses it, host 0 learns
+    # that host 1 refused (instead of waiting for it in a collective).
+    x = X.copy()
+    if HOST == 1:
+        x[3, 0] = np.nan
+    report["one_host_refuses"] = refused_fit(Exception, x, Y)
+    if BACKEND == "jax":  # Processes with no distribution: each alone.
+        distribution = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            report["no_distribution"] = refused_fit(ValueError, X, Y)
+        finally:
+            keras.distribution.set_distribution(distribution)
     return report
+
+
+def refused_fit(expected, x, y):
+    """A fit expected to raise `expected` before any step."""
+    model = make_model(noise_multiplier=NOISE_MULTIPLIER)
+    before = flat_weights(model)
+    try:
+        model.fit(x, y, batch_size=BATCH_SIZE, verbose=0)
+        refused = None
+    except expected as error:
+        refused = f"{type(error).__name__}: {error}"
+    return {
+        "refused": refused,
+        "private_steps": private_steps(model),
+        "unchanged": flat_weights(model) == before,
+    }
 
 
 def main():

@@ -210,3 +210,35 @@ def test_hosts_that_differ_are_refused_before_any_step(reports, name):
         assert "host(s) [1] differ from the chief" in result["refused"]
         assert result["private_steps"] == 0
         assert result["unchanged"]
+
+
+def test_hosts_with_other_rows_of_the_same_shape_are_refused(reports):
+    for report in reports[:HOSTS]:
+        result = scenario(report, "refusals")["other_rows"]
+        assert result["refused"] is not None
+        assert "do not agree on privacy settings" in result["refused"]
+        assert result["private_steps"] == 0
+        assert result["unchanged"]
+
+
+def test_a_host_that_refuses_its_input_stops_every_host_before_any_step(reports):
+    chief, other = (scenario(r, "refusals")["one_host_refuses"] for r in reports[:2])
+    assert other["refused"].startswith("NonFiniteInputError")
+    assert chief["refused"].startswith("HostsDisagreeError")
+    assert "Host(s) [1] refused DPModel.fit" in chief["refused"]
+    for result in (chief, other):
+        assert result["private_steps"] == 0
+        assert result["unchanged"]
+
+
+def test_jax_processes_without_a_distribution_are_refused(reports):
+    for report in reports[:HOSTS]:
+        result = scenario(report, "refusals").get("no_distribution")
+        if BACKEND == "tensorflow":
+            # A TensorFlow model outside the strategy's scope is one host.
+            assert result is None
+            continue
+        assert "no keras.distribution set" in result["refused"]
+        assert "auto_shard_dataset=False" in result["refused"]
+        assert result["private_steps"] == 0
+        assert result["unchanged"]

@@ -313,42 +313,47 @@ class DPModel(FrozenSettings, keras.Model):
             kwargs, (*privacy_plan.SAMPLING_ARGUMENTS, "shuffle"), "DPModel"
         )
         hosts = data_parallel.check_engine(self, "DPModel")
-        _check_network(self.network)  # Layers may have been unfrozen since.
-        if not self.compiled:
-            raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
-        x, y = _check_data(x, y, self.network.compute_dtype)
-        finite_inputs.check_validation_data(
-            validation_data, as_dtype=self.network.compute_dtype
-        )
-        # One-hot labels to a sparse loss (or indices to a categorical one),
-        # named with the data's shape before any probe of the network.
-        label_shapes.check(
-            np.shape(y),
-            label_shapes.output_shape(self.network),
-            keras.losses.get(self.loss),
-        )
-        if getattr(self, "_class_labels", False):
-            # Every class index, whatever the label shape: one per example,
-            # or one per position for a network with several output axes
-            # (the per-example loss averages over them). Lengths match.
-            validation.check_labels(
-                y.reshape(-1), num_classes=_num_outputs(self.network)
+        # Every host checks alone, then they tell each other whether all
+        # passed (one host refusing would leave the others waiting).
+        with hosts.together("DPModel.fit"):
+            _check_network(self.network)  # Layers may have been unfrozen since.
+            if not self.compiled:
+                raise ValueError("Compile the DPModel (optimizer and loss) before fit.")
+            x, y = _check_data(x, y, self.network.compute_dtype)
+            finite_inputs.check_validation_data(
+                validation_data, as_dtype=self.network.compute_dtype
             )
-        inputs.check_input_shape(
-            inputs.model_input_shape(self.network),
-            np.shape(x[:1]) if not hasattr(x, "shape") else tuple(x.shape),
-            "x",
-            model="network",
-            items="inputs",
-        )
-        users, num_users = user_level.check_users(self, users, len(x))
-        epochs = validation.check_positive_int(epochs, "epochs")
-        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
-            raise ValueError(
-                f"initial_epoch={initial_epoch!r} must be an int in [0, "
-                f"epochs={epochs})."
+            # One-hot labels to a sparse loss (or indices to a categorical one),
+            # named with the data's shape before any probe of the network.
+            label_shapes.check(
+                np.shape(y),
+                label_shapes.output_shape(self.network),
+                keras.losses.get(self.loss),
             )
-        steps_per_epoch, schedule = self._schedule_for(len(x), batch_size, num_users)
+            if getattr(self, "_class_labels", False):
+                # Every class index, whatever the label shape: one per example,
+                # or one per position for a network with several output axes
+                # (the per-example loss averages over them). Lengths match.
+                validation.check_labels(
+                    y.reshape(-1), num_classes=_num_outputs(self.network)
+                )
+            inputs.check_input_shape(
+                inputs.model_input_shape(self.network),
+                np.shape(x[:1]) if not hasattr(x, "shape") else tuple(x.shape),
+                "x",
+                model="network",
+                items="inputs",
+            )
+            users, num_users = user_level.check_users(self, users, len(x))
+            epochs = validation.check_positive_int(epochs, "epochs")
+            if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+                raise ValueError(
+                    f"initial_epoch={initial_epoch!r} must be an int in [0, "
+                    f"epochs={epochs})."
+                )
+            steps_per_epoch, schedule = self._schedule_for(
+                len(x), batch_size, num_users
+            )
         self._build_for(x[:3], y[:3])
         self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 

@@ -82,8 +82,8 @@ def clipped_sums(model, x, y, mask, params, fixed):
     """`(gradient ClippedSum, loss ClippedSum or None, new non-trainable
     values)` of the batch: each device clips its rows, physical batch by
     physical batch. The counts are summed over every device; the
-    gradient sum is this replica's on TensorFlow (Keras' optimizer adds
-    the replicas'), the global one on JAX."""
+    gradient sum is this replica's on TensorFlow (`train_step` adds the
+    replicas'), the global one on JAX."""
     plumbing = backends.current()
     engine = step_releases.step_engine(model, model._engine_for())
     physical = model.physical_batch_size

@@ -21,8 +21,8 @@ differ between backends live here, the way Keras splits its own trainers:
   strategy's replicas already hold their own rows on TensorFlow).
 - `split_over_devices(fn, rows, shared)`: the same for `fn` returning
   `(summed, kept)`: `kept` (alike on every device) is not summed.
-- `noise_share()`: 1 on the one replica that adds the round's noise, 0 on
-  the others, so that summing the replicas' updates adds it exactly once.
+- `noise_share()`: 1 on the first replica, 0 on the others, so that a
+  value only it contributes to a `replica_sum` is added exactly once.
 - `optimizer_share(grads)`: the step's global gradient as this replica
   passes it to the optimizer (TensorFlow's sums the replicas'): all of
   it on the first replica, zeros elsewhere.

@@ -188,11 +188,8 @@ def split_over_devices(fn, rows, shared):
 
 
 def noise_share():
-    """1.0 on the first replica, 0.0 on the others.
-
-    Keras' optimizer sums the replicas' gradients, so the noise that only
-    the first replica contributes is added to the round exactly once.
-    """
+    """1.0 on the first replica, 0.0 on the others: a value that only the
+    first replica contributes to a `replica_sum` is added exactly once."""
     context = _replica_context()
     if context is None:
         return tf.constant(1.0)
