@@ -331,8 +331,9 @@ def gaussian_noise(clipped_sum, noise_multiplier, seed_generator):
     """Fresh N(0, (z · clip_norm)²) draws, one tensor per tensor of the sum.
 
     `add_gaussian_noise` adds them to the sum. A trainer whose replicas
-    each hold part of the sum uses this directly, so that exactly one
-    replica contributes the noise (`kdpemb.models._shared.backends`).
+    each hold part of the sum uses this directly: every replica draws the
+    same noise (the same seed state) for the all-reduced sum, and only one
+    passes the result on (`kdpemb.models._shared.backends`).
 
     Args: as `add_gaussian_noise`.
 

@@ -578,6 +578,8 @@ def refusals():
         report["network_in_another_scope"] = run(refused_fit, "network_in_scope")
         # Built outside the scope, fitted inside it.
         report["model_outside_the_scope"] = run(refused_fit, "outside")
+        with STRATEGY.scope():
+            report["optimizer_accumulation"] = run(refused_fit, "accumulation")
     return report
 
 
@@ -611,7 +613,11 @@ def refused_fit(name):
     else:
         net = network("mlp")
     model = DPModel(net, clip_norm=1.0, noise_multiplier=1.0, seed=DP_SEED)
-    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
+    accumulation = 2 if name == "accumulation" else None
+    optimizer = keras.optimizers.SGD(
+        LEARNING_RATE, gradient_accumulation_steps=accumulation
+    )
+    model.compile(optimizer, "mse")
     before = flat(model.network.trainable_variables)
     begun = Begun()
     fitting = STRATEGY.scope() if name == "outside" else contextlib.nullcontext()

@@ -560,3 +560,11 @@ def test_ids_that_another_layer_refuses_negative_are_planned_on_valid_ids():
     model.fit(x, y, batch_size=4, verbose=0)
     assert model.gradient_plan.mode == "layers", model.gradient_plan.describe()
     assert any(np.any(a != b) for a, b in zip(weights(network), before, strict=True))
+
+
+def test_a_loss_scale_optimizer_is_refused_at_compile():
+    # It would divide every update by its loss scale (DPModel scales no loss).
+    model = dp(mlp(), noise_multiplier=1.0)
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="LossScaleOptimizer would shrink every"):
+        model.compile(optimizer, "mse")

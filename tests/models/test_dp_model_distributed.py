@@ -331,6 +331,7 @@ def test_set_ups_that_would_not_sum_over_every_device_are_refused(results):
             "network_in_another_scope": "belongs to another tf.distribute strategy",
             # Each replica would update the one copy (count each step twice).
             "model_outside_the_scope": "was created outside the scope",
+            "optimizer_accumulation": "use physical_batch_size",
         }
     assert set(report) == set(expected)
     for name, message in expected.items():

@@ -242,3 +242,20 @@ def test_jax_processes_without_a_distribution_are_refused(reports):
         assert "auto_shard_dataset=False" in result["refused"]
         assert result["private_steps"] == 0
         assert result["unchanged"]
+
+
+def test_the_hosts_data_digest_reads_user_ids_by_value():
+    from kdpemb.models.dp_sgd.distributed_fit import data_digest
+
+    x = np.arange(12, dtype="float32").reshape(6, 2)
+    y = np.arange(6)
+    ids = ["ann", "bob", "ann", "cy", "bob", "cy"]
+
+    def digest(users, x=x):
+        return data_digest(x, y, np.asarray(users, dtype=object))
+
+    # Two object arrays of the same ids (their addresses differ) agree;
+    assert digest(list(ids)) == digest([str(i) for i in ids])
+    # other ids, or other rows of x, do not.
+    assert digest(ids) != digest(ids[::-1])
+    assert digest(ids) != digest(ids, x=x[::-1].copy())

@@ -25,6 +25,7 @@ Example:
 1
 """
 
+import contextlib
 import hashlib
 
 import keras
@@ -47,6 +48,13 @@ def strategy_of(model):
     return strategy
 
 
+def engine_scope(model):
+    """The scope of `model`'s `tf.distribute` strategy, in which variables
+    are created on every replica; no scope otherwise."""
+    strategy = strategy_of(model)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
 def device_count(model):
     """The devices (replicas) over which one logical batch of `model` is
     split, on every host together: 1 without a strategy or distribution."""
@@ -60,10 +68,12 @@ def device_count(model):
     return 1
 
 
-def check_engine(model, owner):
+def check_engine(model, owner, steps_on_devices=True):
     """Refuses, before any step, an engine under which `owner`'s step would
     not be one sum over the devices with the noise added once; returns
-    this job's `Hosts` (`kdpemb.distribute`)."""
+    this job's `Hosts` (`kdpemb.distribute`). `steps_on_devices=False`: a
+    fit computed on the host (a closed form), whose variables need not be
+    placed on the devices."""
     strategy = strategy_of(model)
     if strategy is not None and strategy.num_replicas_in_sync > 1:
         name = type(strategy).__name__
@@ -87,8 +97,9 @@ def check_engine(model, owner):
                 "first step so too; Keras issue #19005). Compile it with "
                 "jit_compile=False."
             )
-    if keras.backend.backend() == "tensorflow":
-        _check_variables_in_scope(model, strategy, owner)
+    if keras.backend.backend() == "tensorflow" and steps_on_devices:
+        check_variables_in_scope(model, strategy, owner)
+        _check_optimizer(model, strategy, owner)
     if keras.backend.backend() == "jax":
         _check_jax_distribution(owner)
     hosts = distribute.current_hosts(model)
@@ -113,11 +124,29 @@ def check_engine(model, owner):
     return hosts
 
 
-def _check_variables_in_scope(model, strategy, owner):
+def _check_optimizer(model, strategy, owner):
+    """Refuses gradient accumulation in the optimizer under several
+    replicas: Keras cannot trace it there, and a restored accumulator
+    would hold the first replica's gradient on every replica."""
+    optimizer = getattr(model, "optimizer", None)
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if strategy is not None and strategy.num_replicas_in_sync > 1 and steps:
+        raise ValueError(
+            f"{owner}'s optimizer accumulates gradients "
+            f"(gradient_accumulation_steps={steps}) under "
+            f"{type(strategy).__name__}, which Keras does not support there: "
+            "use physical_batch_size for a larger logical batch instead (the "
+            "batch's sum is accumulated before the noise)."
+        )
+
+
+def check_variables_in_scope(model, strategy=None, owner=None):
     """Refuses variables of another strategy than the model's (a network
     built in a strategy's scope, wrapped outside it, or the reverse), and
     under several replicas variables of none (built outside the scope: each
     replica would update the one copy, e.g. count every step twice)."""
+    strategy = strategy if strategy is not None else strategy_of(model)
+    owner = owner or type(model).__name__
     several = strategy is not None and strategy.num_replicas_in_sync > 1
     for variable in model.variables:
         theirs = getattr(variable.value, "_distribute_strategy", None)

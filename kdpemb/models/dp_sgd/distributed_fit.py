@@ -129,5 +129,6 @@ def data_digest(x, y, users, rows=256):
     for part in (x[positions], y[positions]):
         digest.update(np.ascontiguousarray(np.asarray(part)).tobytes())
     if users is not None:
-        digest.update(np.ascontiguousarray(np.asarray(users)).tobytes())
+        # As text: ids in an object array would hash their addresses.
+        digest.update(np.asarray(users).astype(str).tobytes())
     return digest.hexdigest()

@@ -275,6 +275,12 @@ class DPModel(FrozenSettings, keras.Model):
                 "DPModel trains with one loss on one output; got "
                 f"{type(loss).__name__}. Combine them in one loss function."
             )
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "DPModel computes per-example gradients in float32 and does "
+                "not scale its loss, so a LossScaleOptimizer would shrink every "
+                "update by its loss scale; pass the optimizer it wraps."
+            )
         loss_object = keras.losses.get(loss)
         if loss_object is None:
             raise ValueError(f"Unknown loss {loss!r}.")
@@ -354,7 +360,9 @@ class DPModel(FrozenSettings, keras.Model):
             steps_per_epoch, schedule = self._schedule_for(
                 len(x), batch_size, num_users
             )
-        self._build_for(x[:3], y[:3])
+        with data_parallel.engine_scope(self):  # Variables on the devices.
+            self._build_for(x[:3], y[:3])
+        data_parallel.check_variables_in_scope(self, owner="DPModel")
         self._plan_gradients(x, y, privacy_plan.is_verbose({"verbose": verbose}))
 
         steps = steps_per_epoch * (epochs - initial_epoch)

@@ -17,7 +17,6 @@ This module is the front: settings, the schedule fixed by the first
 `unit="user"` the guarantee is per user (`last_layer_users`).
 """
 
-import contextlib
 import math
 import secrets
 
@@ -62,7 +61,9 @@ def _check_devices(model):
     strategy or distribution), after refusing an engine DP-SGD does not
     support (`data_parallel.check_engine`) and a job of several hosts,
     before any step. The closed forms run on the host whatever the engine."""
-    hosts = data_parallel.check_engine(model, "LastLayerDPClassifier")
+    hosts = data_parallel.check_engine(
+        model, "LastLayerDPClassifier", model._method.clips_gradients
+    )
     if hosts.count > 1:
         raise ValueError(
             f"LastLayerDPClassifier trains on the devices of one host; this job "
@@ -72,13 +73,6 @@ def _check_devices(model):
             "bring them to one host and fit there (with its devices, or none)."
         )
     return data_parallel.device_count(model)
-
-
-def _engine_scope(model):
-    """The scope of `model`'s `tf.distribute` strategy, in which its
-    variables are created (one copy per replica); no scope otherwise."""
-    strategy = data_parallel.strategy_of(model)
-    return contextlib.nullcontext() if strategy is None else strategy.scope()
 
 
 @keras.saving.register_keras_serializable(package="kdpemb")
@@ -458,7 +452,7 @@ class LastLayerDPClassifier(RestoresOptimizer, FrozenSettings, keras.Model):
             privacy_plan.is_verbose({"verbose": verbose, "callbacks": callbacks}),
             num_users,
         )  # fmt: skip
-        with _engine_scope(self):  # Replicated variables.
+        with data_parallel.engine_scope(self):  # Replicated variables.
             if not self.built:
                 self.build(features.shape)
             if not self.compiled:

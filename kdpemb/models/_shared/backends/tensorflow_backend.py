@@ -181,8 +181,8 @@ def sum_over_devices(fn, rows, shared):
 
 def split_over_devices(fn, rows, shared):
     """`fn(rows, shared) -> (summed, kept)`: a replica's program already
-    holds only its rows; its `summed` are its own (`replica_sum`, or the
-    optimizer's sum of the replicas' gradients, adds them up)."""
+    holds only its rows; its `summed` are its own (`replica_sum` adds
+    them up)."""
     with console.vectorizer_logs_quieted():
         return fn(rows, shared)
 
