@@ -29,6 +29,7 @@ import os
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -60,25 +61,13 @@ NOISE_CLIP = 1.0
 DELTA = 1e-3
 
 
-def configure_devices():
-    """Two CPU devices, configured before the backend initialises."""
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        (cpu,) = tf.config.list_physical_devices("CPU")
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES
-        )
-        return [d.name for d in tf.config.list_logical_devices("CPU")]
-    if BACKEND == "jax":
-        import jax
-
-        return [str(d) for d in jax.devices()]
-    raise SystemExit(f"KERAS_BACKEND must be tensorflow or jax, got {BACKEND!r}")
-
-
 # Not when the tests import this module for its settings.
-DEVICES = configure_devices() if __name__ == "__main__" else None
+DEVICES = None
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests`.
+    from tests.models.worker_results import configure_cpu_devices
+
+    DEVICES = configure_cpu_devices(BACKEND, NUM_DEVICES)
 STRATEGY = None  # TensorFlow: the MirroredStrategy of the distributed runs.
 
 import keras  # noqa: E402

@@ -24,10 +24,6 @@ the backend this suite runs under) and prints JSON; the tests here check:
 """
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -35,7 +31,7 @@ import numpy as np
 import pytest
 
 from tests.models import dp_model_distributed_worker as setup
-from tests.models.worker_results import once_per_run, round_changes
+from tests.models.worker_results import once_per_run, round_changes, run_device_worker
 
 WORKER = Path(__file__).with_name("dp_model_distributed_worker.py")
 BACKEND = keras.backend.backend()
@@ -45,21 +41,7 @@ NOISE_STD = setup.NOISE_MULTIPLIER * setup.NOISE_CLIP / setup.BATCH_SIZE
 
 
 def run_worker(directory):
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, CUDA_VISIBLE_DEVICES="-1")
-    if BACKEND == "jax":
-        flags = env.get("XLA_FLAGS", "")
-        env["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={setup.NUM_DEVICES}"
-        ).strip()
-        env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(directory)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )  # No timeout: one process, bounded work, no peer to wait for.
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_device_worker(WORKER, BACKEND, setup.NUM_DEVICES, directory)
 
 
 @pytest.fixture(scope="module")

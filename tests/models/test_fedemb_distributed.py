@@ -19,10 +19,6 @@ backend this suite runs under) and prints JSON; the tests here check it:
   the devices and noised once: C ends as on one device.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -30,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.models import distributed_worker as setup
-from tests.models.worker_results import once_per_run, round_changes
+from tests.models.worker_results import once_per_run, round_changes, run_device_worker
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 BACKEND = keras.backend.backend()
@@ -39,21 +35,7 @@ NOISE_STD = setup.NOISE_MULTIPLIER * setup.NOISE_CLIP / setup.CLIENTS_PER_ROUND
 
 
 def run_worker():
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, CUDA_VISIBLE_DEVICES="-1")
-    if BACKEND == "jax":
-        flags = env.get("XLA_FLAGS", "")
-        env["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={setup.NUM_DEVICES}"
-        ).strip()
-        env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(WORKER)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )  # No timeout: one process, bounded work, no peer to wait for.
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_device_worker(WORKER, BACKEND, setup.NUM_DEVICES)
 
 
 @pytest.fixture(scope="module")

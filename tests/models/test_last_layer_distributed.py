@@ -23,11 +23,7 @@ tests here check it:
 """
 
 import itertools
-import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -39,7 +35,7 @@ import kdpemb
 from kdpemb.distribute.hosts import Hosts
 from kdpemb.models.last_layer import LastLayerDPClassifier
 from tests.models import last_layer_distributed_worker as setup
-from tests.models.worker_results import once_per_run
+from tests.models.worker_results import once_per_run, run_device_worker
 
 WORKER = Path(__file__).with_name("last_layer_distributed_worker.py")
 BACKEND = keras.backend.backend()
@@ -47,21 +43,7 @@ DEVICES = setup.NUM_DEVICES
 
 
 def run_worker():
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, CUDA_VISIBLE_DEVICES="-1")
-    if BACKEND == "jax":
-        flags = env.get("XLA_FLAGS", "")
-        env["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={DEVICES}"
-        ).strip()
-        env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(WORKER)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )  # No timeout: one process, bounded work, no peer to wait for.
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_device_worker(WORKER, BACKEND, DEVICES)
 
 
 @pytest.fixture(scope="module")
